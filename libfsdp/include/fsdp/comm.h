@@ -1,0 +1,120 @@
+// ProcessGroup + Work: collectives over a group of ranks, c10d-style.
+//
+// A ProcessGroup is a set of world ranks with its own MPI communicator. Each
+// collective picks its backend from the tensors' device: MPI for CPU tensors,
+// NCCL for CUDA tensors (when built with FSDP_WITH_NCCL). Collectives run on
+// the group's communication thread in issue order, so an async_op call returns
+// at once and the transfer progresses while the caller computes. Every rank of
+// the group must issue the same collectives in the same order.
+//
+// Groups are created by DeviceMesh (see mesh.h); user code obtains them with
+// DeviceMesh::get_group().
+//
+// Errors: non-contiguous tensors -> LayoutError; dtype mismatch or an
+// unsupported dtype -> DTypeError; wrong sizes -> ShapeError; bad root/peer
+// rank or op -> ArgumentError; an MPI/NCCL failure -> CommError (rethrown by
+// Work::wait()). Supported dtypes: float32, float64, bfloat16, float16, int32,
+// int64. bfloat16/float16 SUM/AVG/MAX run through custom MPI ops that add each
+// pair of operands in float32 and round the result once to the 16-bit type
+// (so a 2-rank reduction is exactly rounded; with more ranks each partial sum
+// is rounded, as NCCL does).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+enum class ReduceOp { SUM, AVG, MAX };
+std::string to_string(ReduceOp op);
+
+// Handle of an issued collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective finished; rethrows its error (CommError, ...).
+  // For CUDA tensors it makes the caller's current stream wait for the
+  // collective rather than blocking the host. Idempotent.
+  virtual void wait() = 0;
+  // True once the collective finished (successfully or not); never blocks.
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+
+  // This process's rank in the group, and the group size.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // World ranks of the members, in group-rank order.
+  virtual const std::vector<int>& world_ranks() const = 0;
+  // The member world ranks as a name, e.g. "ranks[0,2]"; counters use it.
+  virtual const std::string& name() const = 0;
+
+  // output (numel = input.numel() * size(), same dtype) <- concatenation of
+  // every rank's input in rank order.
+  virtual WorkPtr all_gather_into_tensor(at::Tensor output, const at::Tensor& input,
+                                         bool async_op = false) = 0;
+  // output (numel = input.numel() / size()) <- rank's block of the reduction
+  // of every rank's input. op: SUM or AVG.
+  virtual WorkPtr reduce_scatter_tensor(at::Tensor output, const at::Tensor& input,
+                                        ReduceOp op = ReduceOp::SUM, bool async_op = false) = 0;
+  // In-place reduction. op: SUM, AVG or MAX.
+  virtual WorkPtr all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::SUM,
+                             bool async_op = false) = 0;
+  // In-place: every rank receives root's tensor. root is a group rank.
+  virtual WorkPtr broadcast(at::Tensor tensor, int root, bool async_op = false) = 0;
+  // Splits input along dim 0 by input_split_sizes (rows; empty = equal
+  // split), sends block j to rank j, and writes the blocks received into
+  // output by output_split_sizes (rows; empty = equal split).
+  virtual WorkPtr all_to_all_single(at::Tensor output, const at::Tensor& input,
+                                    const std::vector<int64_t>& output_split_sizes = {},
+                                    const std::vector<int64_t>& input_split_sizes = {},
+                                    bool async_op = false) = 0;
+  // Point-to-point with a group rank; tag >= 0.
+  virtual WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0, bool async_op = false) = 0;
+  virtual WorkPtr recv(at::Tensor tensor, int src, int tag = 0, bool async_op = false) = 0;
+  // Returns once every rank of the group has entered the barrier.
+  virtual void barrier() = 0;
+};
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+// ---- Per-process collective counters --------------------------------------
+// Each collective issued through a ProcessGroup is counted at issue time, by
+// op name ("all_gather", "reduce_scatter", "all_reduce", "broadcast",
+// "all_to_all", "send", "recv", "barrier") and group name. Tests read them to
+// prove how many collectives a step issued.
+struct CollectiveRecord {
+  std::string op;
+  std::string group;
+  int64_t bytes = 0;  // payload bytes of this rank's input
+};
+
+struct CollectiveCounters {
+  // (op, group) -> count
+  std::map<std::pair<std::string, std::string>, int64_t> count;
+  // (op, group) -> payload bytes
+  std::map<std::pair<std::string, std::string>, int64_t> bytes;
+  // Issue order since the last reset (capped at 100000 records).
+  std::vector<CollectiveRecord> sequence;
+
+  // Total of one op over all groups (or one group if group is non-empty).
+  int64_t total(const std::string& op, const std::string& group = "") const;
+};
+
+CollectiveCounters collective_counters();
+void reset_collective_counters();
+
+// One line per collective issued on this process that has not completed yet
+// ("all_gather on ranks[0,1] #12 (mpi), 3.2 s in flight"), or "none". Used by
+// watchdogs to say which collective is stuck.
+std::string describe_pending_collectives();
+
+}  // namespace fsdp

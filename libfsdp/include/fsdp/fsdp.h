@@ -1,0 +1,8 @@
+// libfsdp umbrella header.
+#pragma once
+
+#include "fsdp/comm.h"
+#include "fsdp/dtensor.h"
+#include "fsdp/errors.h"
+#include "fsdp/mesh.h"
+#include "fsdp/runtime.h"

@@ -1,0 +1,89 @@
+// Collective counters and the pending-collective registry.
+#include "process_group.h"
+
+#include <chrono>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace fsdp {
+namespace {
+
+constexpr size_t kMaxSequence = 100000;
+
+std::mutex& counters_mu() {
+  static std::mutex mu;
+  return mu;
+}
+CollectiveCounters& counters() {
+  static CollectiveCounters c;
+  return c;
+}
+
+using Clock = std::chrono::steady_clock;
+std::mutex& pending_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_map<const detail::TaskWork*, Clock::time_point>& pending() {
+  static std::unordered_map<const detail::TaskWork*, Clock::time_point> p;
+  return p;
+}
+
+}  // namespace
+
+int64_t CollectiveCounters::total(const std::string& op, const std::string& group) const {
+  int64_t n = 0;
+  for (const auto& [key, value] : count) {
+    if (key.first == op && (group.empty() || key.second == group)) n += value;
+  }
+  return n;
+}
+
+CollectiveCounters collective_counters() {
+  std::lock_guard<std::mutex> lock(counters_mu());
+  return counters();
+}
+
+void reset_collective_counters() {
+  std::lock_guard<std::mutex> lock(counters_mu());
+  counters() = CollectiveCounters{};
+}
+
+std::string describe_pending_collectives() {
+  std::lock_guard<std::mutex> lock(pending_mu());
+  if (pending().empty()) return "none";
+  std::ostringstream os;
+  const auto now = Clock::now();
+  bool first = true;
+  for (const auto& [work, since] : pending()) {
+    if (!first) os << "; ";
+    first = false;
+    os << work->description() << ", "
+       << std::chrono::duration<double>(now - since).count() << " s in flight";
+  }
+  return os.str();
+}
+
+namespace detail {
+
+void count_collective(const std::string& op, const std::string& group, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(counters_mu());
+  auto& c = counters();
+  c.count[{op, group}] += 1;
+  c.bytes[{op, group}] += bytes;
+  if (c.sequence.size() < kMaxSequence) c.sequence.push_back({op, group, bytes});
+}
+
+void register_pending(const TaskWork* w) {
+  std::lock_guard<std::mutex> lock(pending_mu());
+  pending().emplace(w, Clock::now());
+}
+
+void unregister_pending(const TaskWork* w) {
+  std::lock_guard<std::mutex> lock(pending_mu());
+  pending().erase(w);
+}
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,2 @@
+// DTensor (lite): placements, ceil-div shard layout and redistribution.
+#include "fsdp/dtensor.h"

@@ -1,0 +1,95 @@
+// Group registry: every communicator libfsdp creates, keyed by member list.
+//
+// Communicators come from MPI_Comm_split of a private duplicate of
+// MPI_COMM_WORLD. The split is always performed (it is collective, and ranks
+// may differ in what they have cached); a cached group with the same members
+// wins and the fresh communicator is freed.
+#include "fsdp/errors.h"
+#include "process_group.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+namespace fsdp::detail {
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  MPI_Comm world = MPI_COMM_NULL;
+  std::map<std::vector<int>, std::shared_ptr<ProcessGroupImpl>> groups;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+}  // namespace
+
+void init_group_registry() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &r.world), "MPI_Comm_dup");
+}
+
+void shutdown_group_registry() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (auto& [members, group] : r.groups) group->shutdown();
+  r.groups.clear();
+  if (r.world != MPI_COMM_NULL) MPI_Comm_free(&r.world);
+}
+
+MPI_Comm library_world() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.world == MPI_COMM_NULL) throw StateError("libfsdp needs a live fsdp::Runtime");
+  return r.world;
+}
+
+ProcessGroupPtr group_for(const std::vector<int>& members) {
+  std::string name = "ranks[";
+  for (size_t i = 0; i < members.size(); ++i) name += (i ? "," : "") + std::to_string(members[i]);
+  name += "]";
+  MPI_Comm world = library_world();
+  int me = 0;
+  check_mpi(MPI_Comm_rank(world, &me), "MPI_Comm_rank");
+  auto pos = std::find(members.begin(), members.end(), me);
+  if (pos == members.end()) {
+    throw StateError("group_for: rank " + std::to_string(me) + " is not a member of " + name);
+  }
+  // Groups of one partition are disjoint, so the smallest member names one.
+  const int color = *std::min_element(members.begin(), members.end());
+  const int key = static_cast<int>(pos - members.begin());
+  MPI_Comm comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(world, color, key, &comm), "MPI_Comm_split");
+
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.groups.find(members);
+  if (it != r.groups.end()) {
+    MPI_Comm_free(&comm);
+    return it->second;
+  }
+  int size = 0;
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  if (size != static_cast<int>(members.size())) {
+    MPI_Comm_free(&comm);
+    throw StateError("group_for: ranks disagree about the members of " + name +
+                     " (every rank must build the same meshes in the same order)");
+  }
+  auto group = std::make_shared<ProcessGroupImpl>(comm, members, name);
+  r.groups.emplace(members, group);
+  return group;
+}
+
+ProcessGroupPtr find_group(const std::vector<int>& members) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.groups.find(members);
+  if (it == r.groups.end()) throw StateError("libfsdp needs a live fsdp::Runtime");
+  return it->second;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,129 @@
+// MPI transport for CPU tensors: blocking MPI collectives executed on the
+// group's CommThread (see comm_thread.cpp), so async_op calls overlap compute.
+#include "fsdp/errors.h"
+#include "process_group.h"
+
+#include <climits>
+#include <string>
+
+namespace fsdp::detail {
+namespace {
+
+int to_int(int64_t n, const char* what) {
+  if (n > INT_MAX) {
+    throw ShapeError(what, std::string("'") + what + "' has " + std::to_string(n) +
+                               " elements; the MPI backend accepts at most " +
+                               std::to_string(INT_MAX) + " per call");
+  }
+  return static_cast<int>(n);
+}
+
+std::vector<int> to_ints(const std::vector<int64_t>& v, const char* what) {
+  std::vector<int> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = to_int(v[i], what);
+  return out;
+}
+
+class MpiBackend final : public Backend {
+ public:
+  MpiBackend(MPI_Comm comm, std::string group_name)
+      : comm_(comm), group_name_(std::move(group_name)) {
+    check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  }
+  ~MpiBackend() override {
+    thread_.reset();  // drain and join before the communicator goes
+    MPI_Comm_free(&comm_);
+  }
+
+  WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
+    const int count = to_int(in.numel(), "input");
+    return submit("all_gather", async_op, [this, out, in, dt, count] {
+      check_mpi(MPI_Allgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_),
+                "MPI_Allgather");
+    });
+  }
+
+  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
+    const MPI_Op mop = mpi_op(op, in.scalar_type());
+    const int count = to_int(out.numel(), "output");
+    return submit("reduce_scatter", async_op, [this, out, in, dt, mop, count, op] {
+      check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_),
+                "MPI_Reduce_scatter_block");
+      if (op == ReduceOp::AVG) out.div_(size_);
+    });
+  }
+
+  WorkPtr all_reduce(at::Tensor t, ReduceOp op, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
+    const MPI_Op mop = mpi_op(op, t.scalar_type());
+    const int count = to_int(t.numel(), "tensor");
+    return submit("all_reduce", async_op, [this, t, dt, mop, count, op] {
+      check_mpi(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_), "MPI_Allreduce");
+      if (op == ReduceOp::AVG) t.div_(size_);
+    });
+  }
+
+  WorkPtr broadcast(at::Tensor t, int root, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
+    const int count = to_int(t.numel(), "tensor");
+    return submit("broadcast", async_op, [this, t, dt, count, root] {
+      check_mpi(MPI_Bcast(t.data_ptr(), count, dt, root, comm_), "MPI_Bcast");
+    });
+  }
+
+  WorkPtr all_to_all(at::Tensor out, at::Tensor in, SplitCounts c, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
+    auto sc = std::make_shared<std::vector<int>>(to_ints(c.send_counts, "input_split_sizes"));
+    auto sd = std::make_shared<std::vector<int>>(to_ints(c.send_displs, "input"));
+    auto rc = std::make_shared<std::vector<int>>(to_ints(c.recv_counts, "output_split_sizes"));
+    auto rd = std::make_shared<std::vector<int>>(to_ints(c.recv_displs, "output"));
+    return submit("all_to_all", async_op, [this, out, in, dt, sc, sd, rc, rd] {
+      check_mpi(MPI_Alltoallv(in.data_ptr(), sc->data(), sd->data(), dt, out.data_ptr(),
+                              rc->data(), rd->data(), dt, comm_),
+                "MPI_Alltoallv");
+    });
+  }
+
+  WorkPtr send(at::Tensor t, int dst, int tag, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
+    const int count = to_int(t.numel(), "tensor");
+    return submit("send", async_op, [this, t, dt, count, dst, tag] {
+      check_mpi(MPI_Send(t.data_ptr(), count, dt, dst, tag, comm_), "MPI_Send");
+    });
+  }
+
+  WorkPtr recv(at::Tensor t, int src, int tag, bool async_op) override {
+    const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
+    const int count = to_int(t.numel(), "tensor");
+    return submit("recv", async_op, [this, t, dt, count, src, tag] {
+      check_mpi(MPI_Recv(t.data_ptr(), count, dt, src, tag, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
+    });
+  }
+
+  void barrier() override {
+    submit("barrier", false, [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
+  }
+
+ private:
+  WorkPtr submit(const char* op, bool async_op, std::function<void()> fn) {
+    std::string description = std::string(op) + " on " + group_name_ + " #" +
+                              std::to_string(++sequence_) + " (mpi)";
+    return thread_->submit(std::move(fn), std::move(description), async_op);
+  }
+
+  MPI_Comm comm_;
+  std::string group_name_;
+  int size_ = 1;
+  uint64_t sequence_ = 0;
+  std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name) {
+  return std::make_unique<MpiBackend>(comm, std::move(group_name));
+}
+
+}  // namespace fsdp::detail

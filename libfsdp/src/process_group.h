@@ -1,0 +1,163 @@
+// Internal: the ProcessGroup implementation, its transport backends and the
+// communication thread that gives async collectives their progress.
+#pragma once
+
+#include "fsdp/comm.h"
+
+#include <mpi.h>
+
+#include <c10/core/Device.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fsdp::detail {
+
+// A unit of communication executed on a CommThread; also the Work handle
+// returned for it. It registers itself as pending until it completes, so a
+// watchdog can name it.
+class TaskWork : public Work {
+ public:
+  TaskWork(std::function<void()> fn, std::string description);
+  ~TaskWork() override;
+  void wait() override;
+  bool is_completed() override;
+
+  void run() noexcept;  // executes fn, records the error, signals waiters
+  const std::string& description() const { return description_; }
+
+ private:
+  std::function<void()> fn_;
+  std::string description_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// Executes tasks one at a time in issue order. Synchronous calls run inline on
+// the caller's thread when nothing is queued (no hand-off latency); async
+// calls are queued and run by the thread while the caller computes.
+class CommThread {
+ public:
+  CommThread();
+  ~CommThread();  // drains the queue, then joins
+  WorkPtr submit(std::function<void()> fn, std::string description, bool async_op);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<TaskWork>> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Element counts per peer for all_to_all.
+struct SplitCounts {
+  std::vector<int64_t> send_counts, send_displs, recv_counts, recv_displs;
+};
+
+// One transport (MPI or NCCL) for one group. Arguments arrive validated.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) = 0;
+  virtual WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, bool async_op) = 0;
+  virtual WorkPtr all_reduce(at::Tensor t, ReduceOp op, bool async_op) = 0;
+  virtual WorkPtr broadcast(at::Tensor t, int root, bool async_op) = 0;
+  virtual WorkPtr all_to_all(at::Tensor out, at::Tensor in, SplitCounts counts, bool async_op) = 0;
+  virtual WorkPtr send(at::Tensor t, int dst, int tag, bool async_op) = 0;
+  virtual WorkPtr recv(at::Tensor t, int src, int tag, bool async_op) = 0;
+  virtual void barrier() = 0;
+};
+
+// MPI transport for CPU tensors over `comm` (owned: freed on destruction).
+std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name);
+// NCCL transport for CUDA tensors on `device`; bootstraps its communicator
+// with a unique id broadcast over `bootstrap` (not owned). Collective over the
+// group. Defined only when built with FSDP_WITH_NCCL.
+std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
+                                           std::string group_name);
+
+class ProcessGroupImpl final : public ProcessGroup {
+ public:
+  ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, std::string name);
+  ~ProcessGroupImpl() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::vector<int>& world_ranks() const override { return world_ranks_; }
+  const std::string& name() const override { return name_; }
+
+  WorkPtr all_gather_into_tensor(at::Tensor output, const at::Tensor& input,
+                                 bool async_op) override;
+  WorkPtr reduce_scatter_tensor(at::Tensor output, const at::Tensor& input, ReduceOp op,
+                                bool async_op) override;
+  WorkPtr all_reduce(at::Tensor tensor, ReduceOp op, bool async_op) override;
+  WorkPtr broadcast(at::Tensor tensor, int root, bool async_op) override;
+  WorkPtr all_to_all_single(at::Tensor output, const at::Tensor& input,
+                            const std::vector<int64_t>& output_split_sizes,
+                            const std::vector<int64_t>& input_split_sizes,
+                            bool async_op) override;
+  WorkPtr send(const at::Tensor& tensor, int dst, int tag, bool async_op) override;
+  WorkPtr recv(at::Tensor tensor, int src, int tag, bool async_op) override;
+  void barrier() override;
+
+  // Frees the backends and the communicator; later calls throw StateError.
+  void shutdown();
+
+ private:
+  Backend& backend_for(const at::Tensor& t, const char* argument);
+  int rank_ = 0;
+  int size_ = 1;
+  std::vector<int> world_ranks_;
+  std::string name_;
+  MPI_Comm bootstrap_ = MPI_COMM_NULL;  // owned; used by the NCCL bootstrap
+  std::mutex backends_mu_;
+  std::unique_ptr<Backend> mpi_;
+  std::unique_ptr<Backend> nccl_;
+  bool closed_ = false;
+};
+
+// ---- pending-collective registry (diagnostics) ----
+void register_pending(const TaskWork* w);
+void unregister_pending(const TaskWork* w);
+
+// ---- counters ----
+void count_collective(const std::string& op, const std::string& group, int64_t bytes);
+
+// ---- MPI helpers (mpi_types.cpp) ----
+// Throws CommError with the MPI error string if rc != MPI_SUCCESS.
+void check_mpi(int rc, const char* what);
+// MPI datatype for a tensor dtype; DTypeError naming `argument` if unsupported.
+MPI_Datatype mpi_datatype(c10::ScalarType t, const char* argument);
+// MPI op for a reduction on a dtype (AVG maps to SUM; the caller divides).
+MPI_Op mpi_op(ReduceOp op, c10::ScalarType t);
+// Creates/frees the custom 16-bit datatypes and ops (Runtime start/end).
+void init_mpi_types();
+void free_mpi_types();
+
+// ---- group registry (group_registry.cpp) ----
+// The library's private duplicate of MPI_COMM_WORLD.
+MPI_Comm library_world();
+// Collective over the world: every rank passes the member list of its own
+// group; together the lists partition the world. Cached by member list; the
+// group's name is its member list, e.g. "ranks[0,2]".
+ProcessGroupPtr group_for(const std::vector<int>& members);
+// A group created before (the world group exists from Runtime start); never
+// communicates. StateError if absent.
+ProcessGroupPtr find_group(const std::vector<int>& members);
+void init_group_registry();
+void shutdown_group_registry();
+
+}  // namespace fsdp::detail

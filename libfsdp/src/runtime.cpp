@@ -1,0 +1,138 @@
+// Runtime: MPI bootstrap, topology, device choice, thread pinning, shutdown.
+#include "fsdp/runtime.h"
+
+#include "fsdp/errors.h"
+#include "fsdp/mesh.h"
+#include "process_group.h"
+#include "torch_compat.h"
+
+#include <torch/cuda.h>
+
+#include <dlfcn.h>
+#include <sched.h>
+
+#include <climits>
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+
+namespace fsdp {
+namespace {
+
+Runtime* g_runtime = nullptr;
+
+int cores_available() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+int threads_from_env() {
+  const char* env = std::getenv("FSDP_NUM_THREADS");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (*end != '\0' || n < 1 || n > 1024) {
+    throw ArgumentError("FSDP_NUM_THREADS", std::string("FSDP_NUM_THREADS='") + env +
+                                                "'; accepted: an integer in 1..1024");
+  }
+  return static_cast<int>(n);
+}
+
+// OpenBLAS keeps its own pool; pin it too when it is the loaded BLAS.
+void set_blas_threads(int n) {
+  using SetThreads = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    fn(n);
+  }
+}
+
+}  // namespace
+
+std::string loaded_blas_library() {
+  void* sym = dlsym(RTLD_DEFAULT, "sgemm_");
+  Dl_info info{};
+  if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr) return "unknown";
+  char resolved[PATH_MAX];
+  if (realpath(info.dli_fname, resolved) != nullptr) return resolved;
+  return info.dli_fname;
+}
+
+Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
+  if (g_runtime != nullptr) throw StateError("an fsdp::Runtime is already alive in this process");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = 0;
+  if (initialized) {
+    MPI_Query_thread(&provided);
+  } else {
+    detail::check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided),
+                      "MPI_Init_thread");
+    owns_mpi_ = true;
+  }
+  if (provided < MPI_THREAD_MULTIPLE) {
+    if (owns_mpi_) MPI_Finalize();
+    throw StateError(
+        "MPI provides thread level " + std::to_string(provided) +
+        " but libfsdp needs MPI_THREAD_MULTIPLE (each process group communicates on its own "
+        "thread); use an MPI built with thread support (Debian's Open MPI has it)");
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+  MPI_Comm node = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
+                                        MPI_INFO_NULL, &node),
+                    "MPI_Comm_split_type");
+  MPI_Comm_rank(node, &local_rank_);
+  MPI_Comm_size(node, &local_size_);
+  MPI_Comm_free(&node);
+
+  num_threads_ = options.num_threads > 0 ? options.num_threads : threads_from_env();
+  if (num_threads_ == 0) num_threads_ = std::max(1, cores_available() / local_size_);
+  // When mpirun binds each rank to its own cores the affinity mask is already
+  // the per-rank share; never exceed it.
+  if (options.num_threads == 0) num_threads_ = std::min(num_threads_, cores_available());
+  compat::set_intra_op_threads(num_threads_);
+  set_blas_threads(num_threads_);
+
+  const auto cuda_devices = static_cast<int>(torch::cuda::device_count());
+  if (cuda_devices > 0) {
+    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank_ % cuda_devices));
+  }
+  blas_library_ = loaded_blas_library();
+
+  detail::init_mpi_types();
+  detail::init_group_registry();
+  g_runtime = this;
+  std::vector<int> everyone(static_cast<size_t>(world_size_));
+  for (int r = 0; r < world_size_; ++r) everyone[static_cast<size_t>(r)] = r;
+  detail::group_for(everyone);  // the world group, so world_group() never communicates
+
+  if (options.log_banner && world_rank_ == 0) {
+    std::cerr << "[libfsdp] LibTorch " << compat::torch_version() << ", " << world_size_
+              << " rank(s), " << local_size_ << " per node, " << num_threads_
+              << " thread(s) per rank, device " << device_.str() << ", BLAS " << blas_library_
+              << (blas_library_.find("openblas") == std::string::npos
+                      ? " (not OpenBLAS: GEMMs may be ~14x slower; install libopenblas0-pthread)"
+                      : "")
+              << std::endl;
+  }
+}
+
+Runtime::~Runtime() {
+  detail::shutdown_group_registry();
+  detail::free_mpi_types();
+  g_runtime = nullptr;
+  if (owns_mpi_) MPI_Finalize();
+}
+
+Runtime& Runtime::get() {
+  if (g_runtime == nullptr) throw StateError("no fsdp::Runtime is alive; create one in main()");
+  return *g_runtime;
+}
+
+bool Runtime::alive() { return g_runtime != nullptr; }
+
+}  // namespace fsdp

@@ -1,0 +1,2 @@
+// fsdp-bench: placeholder until the collectives benchmark lands.
+int main() { return 0; }

@@ -1,0 +1,230 @@
+// main() and per-case machinery of the SPMD test harness (see spmd.h).
+#include "spmd.h"
+
+#include <fsdp/comm.h>
+
+#include <boost/test/results_collector.hpp>
+#include <boost/test/tree/traverse.hpp>
+#include <boost/test/tree/visitor.hpp>
+#include <boost/test/unit_test_log.hpp>
+
+#include <mpi.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+namespace utf = boost::unit_test;
+
+namespace spmd {
+namespace {
+
+std::unique_ptr<fsdp::Runtime> g_runtime;
+std::ostringstream g_rank_log;  // log of ranks > 0, shown only on failure
+MPI_Comm g_harness_comm = MPI_COMM_NULL;
+
+double case_timeout_seconds() {
+  const char* env = std::getenv("FSDP_TEST_TIMEOUT");
+  if (env != nullptr && *env != '\0') {
+    const double t = std::atof(env);
+    if (t > 0) return t;
+  }
+  return 60.0;
+}
+
+// Aborts the whole MPI job when a case runs past its deadline.
+class Watchdog {
+ public:
+  Watchdog() : thread_([this] { loop(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void arm(const std::string& case_name, double seconds) {
+    std::lock_guard<std::mutex> lock(mu_);
+    case_ = case_name;
+    seconds_ = seconds;
+    deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    armed_ = true;
+    cv_.notify_all();
+  }
+  void disarm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = false;
+    cv_.notify_all();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (!armed_) {
+        cv_.wait(lock);
+        continue;
+      }
+      if (cv_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ &&
+          Clock::now() >= deadline_) {
+        std::cerr << "[watchdog] rank " << rank() << ": test case '" << case_ << "' exceeded "
+                  << seconds_ << " s (FSDP_TEST_TIMEOUT); pending collectives: "
+                  << fsdp::describe_pending_collectives() << "; aborting the MPI job" << std::endl;
+        MPI_Abort(MPI_COMM_WORLD, 124);
+      }
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false;
+  bool stop_ = false;
+  std::string case_;
+  double seconds_ = 0;
+  Clock::time_point deadline_;
+  std::thread thread_;
+};
+
+std::unique_ptr<Watchdog> g_watchdog;
+
+std::string current_name() { return utf::framework::current_test_case().p_name; }
+
+bool failed_here() {
+  const utf::test_results& r = utf::results_collector.results(utf::framework::current_test_case_id());
+  return r.p_assertions_failed > 0 || r.aborted();
+}
+
+std::vector<char> gather_all(const std::string& text, std::vector<int>& lengths) {
+  const int n = static_cast<int>(text.size());
+  lengths.assign(static_cast<size_t>(world_size()), 0);
+  MPI_Allgather(&n, 1, MPI_INT, lengths.data(), 1, MPI_INT, g_harness_comm);
+  std::vector<int> displs(lengths.size(), 0);
+  int total = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    displs[i] = total;
+    total += lengths[i];
+  }
+  std::vector<char> all(static_cast<size_t>(std::max(total, 1)));
+  MPI_Allgatherv(text.data(), n, MPI_CHAR, all.data(), lengths.data(), displs.data(), MPI_CHAR,
+                 g_harness_comm);
+  return all;
+}
+
+// Per-case fixture attached to every test case.
+class CaseFixture : public utf::test_unit_fixture {
+ public:
+  void setup() override {
+    g_rank_log.str("");
+    g_watchdog->arm(current_name(), case_timeout_seconds());
+  }
+  void teardown() override {
+    const bool failed = failed_here();
+    std::string summary;
+    if (failed) {
+      summary = rank() == 0 ? std::string("see the log above") : g_rank_log.str();
+      if (summary.size() > 4000) summary = summary.substr(0, 4000) + "...";
+      if (rank() != 0) {
+        std::cerr << "[rank " << rank() << "] test case '" << current_name() << "' failed:\n"
+                  << g_rank_log.str() << std::flush;
+      }
+    }
+    std::vector<int> lengths;
+    const std::string mine = failed ? "F" + summary : std::string();
+    std::vector<char> all = gather_all(mine, lengths);
+    g_watchdog->disarm();
+    std::ostringstream others;
+    int offset = 0;
+    for (int r = 0; r < world_size(); ++r) {
+      const int len = lengths[static_cast<size_t>(r)];
+      if (len > 0 && r != rank()) {
+        others << "\n  rank " << r << ": " << std::string(all.data() + offset + 1, len - 1);
+      }
+      offset += len;
+    }
+    if (!others.str().empty()) {
+      BOOST_ERROR("case " << current_name() << " failed on other rank(s):" << others.str());
+    }
+  }
+};
+
+class AttachFixtures : public utf::test_tree_visitor {
+ public:
+  void visit(utf::test_case const& tc) override {
+    const_cast<utf::test_case&>(tc).p_fixtures.value.push_back(
+        utf::test_unit_fixture_ptr(new CaseFixture()));
+  }
+};
+
+bool init_suite() {
+  AttachFixtures attach;
+  utf::traverse_test_tree(utf::framework::master_test_suite(), attach);
+  if (rank() != 0) {
+    utf::unit_test_log.set_stream(g_rank_log);
+    utf::unit_test_log.set_threshold_level(utf::log_all_errors);
+  }
+  return true;
+}
+
+std::string basename_of(const char* path) {
+  std::string p(path);
+  const auto slash = p.find_last_of('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+}  // namespace
+
+fsdp::Runtime& runtime() { return *g_runtime; }
+int rank() { return g_runtime->world_rank(); }
+int world_size() { return g_runtime->world_size(); }
+std::string current_case() { return current_name(); }
+
+c10::Device device() {
+  const char* env = std::getenv("FSDP_TEST_DEVICE");
+  if (env != nullptr && std::string(env) == "cpu") return c10::Device(c10::kCPU);
+  if (env != nullptr && std::string(env) == "cuda") {
+    return c10::Device(c10::kCUDA,
+                       static_cast<c10::DeviceIndex>(g_runtime->device().is_cuda()
+                                                         ? g_runtime->device().index()
+                                                         : 0));
+  }
+  return g_runtime->device();
+}
+
+}  // namespace spmd
+
+int main(int argc, char** argv) {
+  // Single-threaded LibTorch per rank unless told otherwise: test ranks share cores.
+  fsdp::RuntimeOptions options;
+  if (std::getenv("FSDP_NUM_THREADS") == nullptr) options.num_threads = 1;
+  spmd::g_runtime = std::make_unique<fsdp::Runtime>(&argc, &argv, options);
+  MPI_Comm_dup(MPI_COMM_WORLD, &spmd::g_harness_comm);
+  spmd::g_watchdog = std::make_unique<spmd::Watchdog>();
+
+  const std::string exe = spmd::basename_of(argv[0]);
+  std::vector<std::string> args(argv, argv + argc);
+  if (spmd::rank() == 0) {
+    const char* junit_dir = std::getenv("FSDP_JUNIT_DIR");
+    std::string logger = "--logger=HRF,test_suite,stdout";
+    if (junit_dir != nullptr && *junit_dir != '\0') {
+      logger += ":JUNIT,all," + std::string(junit_dir) + "/" + exe + ".xml";
+    }
+    args.push_back(logger);
+  } else {
+    args.push_back("--report_level=no");
+  }
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  const int rc = utf::unit_test_main(&spmd::init_suite, static_cast<int>(cargs.size()), cargs.data());
+
+  spmd::g_watchdog.reset();
+  MPI_Comm_free(&spmd::g_harness_comm);
+  spmd::g_runtime.reset();
+  return rc;
+}
