@@ -1,5 +1,15 @@
-// L0: every collective x dtype x op against a naive reference built from
-// MPI point-to-point messages.
+// L0: every collective x dtype x op against a naive reference built from MPI
+// point-to-point messages.
+//
+// The reference never goes through libfsdp: each member of a group sends its
+// input to every other member over a private duplicate of MPI_COMM_WORLD, and
+// the expected result is computed locally in double. Every call is also
+// checked against the collective counters (exactly one more (op, group)
+// record with this rank's payload bytes).
+//
+// Groups: the world (mesh {n}); at 4 ranks also both dims of a {2,2}
+// ("replicate", "shard") mesh and every dim of a 3-D {2,1,2} mesh, whose
+// middle dim is a one-rank group.
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -7,10 +17,680 @@
 
 #include <ATen/ATen.h>
 
-BOOST_AUTO_TEST_CASE(smoke_all_reduce) {
-  auto mesh = fsdp::init_device_mesh(c10::kCPU, {spmd::world_size()});
-  auto t = at::full({4}, static_cast<double>(spmd::rank() + 1), at::kFloat);
-  mesh.get_group(0)->all_reduce(t);
+#include <mpi.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using fsdp::ProcessGroup;
+using fsdp::ProcessGroupPtr;
+using fsdp::ReduceOp;
+using fsdp::WorkPtr;
+
+// ---- reference exchange ----------------------------------------------------
+
+// The reference's own communicator, so its messages can never match (or be
+// matched by) the library's, which live on communicators of their own.
+MPI_Comm g_ref_comm = MPI_COMM_NULL;
+constexpr int kRefTag = 11;
+
+struct ReferenceComm {
+  ReferenceComm() { MPI_Comm_dup(MPI_COMM_WORLD, &g_ref_comm); }
+  ~ReferenceComm() { MPI_Comm_free(&g_ref_comm); }
+};
+BOOST_TEST_GLOBAL_FIXTURE(ReferenceComm);
+
+// Every member's `mine`, flattened, on the CPU, in group-rank order. Sends are
+// non-blocking because blocking sends to every peer before any receive
+// deadlock once a message exceeds MPI's eager limit.
+std::vector<at::Tensor> exchange(const ProcessGroup& g, const at::Tensor& mine) {
+  const at::Tensor local = mine.cpu().contiguous().reshape({-1});
+  const int nbytes = static_cast<int>(local.numel() * local.element_size());
+  const std::vector<int>& members = g.world_ranks();
+  std::vector<at::Tensor> all(members.size());
+  std::vector<MPI_Request> sends;
+  sends.reserve(members.size());
+  for (size_t p = 0; p < members.size(); ++p) {
+    if (static_cast<int>(p) == g.rank()) continue;
+    sends.emplace_back();
+    MPI_Isend(local.data_ptr(), nbytes, MPI_BYTE, members[p], kRefTag, g_ref_comm,
+              &sends.back());
+  }
+  for (size_t p = 0; p < members.size(); ++p) {
+    if (static_cast<int>(p) == g.rank()) {
+      all[p] = local;
+      continue;
+    }
+    // Members' inputs may differ in size (all_to_all), so ask MPI for it.
+    MPI_Status status;
+    MPI_Probe(members[p], kRefTag, g_ref_comm, &status);
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    all[p] = at::empty({count / static_cast<int64_t>(local.element_size())}, local.options());
+    MPI_Recv(all[p].data_ptr(), count, MPI_BYTE, members[p], kRefTag, g_ref_comm,
+             MPI_STATUS_IGNORE);
+  }
+  MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE);
+  return all;
+}
+
+// ---- inputs and expected values --------------------------------------------
+
+const std::vector<at::ScalarType> kDtypes = {at::kFloat,    at::kDouble, at::kBFloat16,
+                                             at::kHalf,     at::kInt,    at::kLong};
+// An uneven size, one past a page-ish power of two, and empty.
+const std::vector<int64_t> kSizes = {7, 4099, 0};
+
+bool is_16bit(at::ScalarType dt) { return dt == at::kBFloat16 || dt == at::kHalf; }
+
+std::vector<ReduceOp> ops_for(at::ScalarType dt) {
+  if (at::isFloatingType(dt)) return {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX};
+  return {ReduceOp::SUM, ReduceOp::MAX};
+}
+
+// Deterministic input, distinct per member `who` and per `salt`.
+// Integer and float32/64 inputs hold integers (scaled by 1/4 for floats) in
+// [-30, 30], so any sum over at most 4 ranks is exact in any order and the
+// check can demand equality. 16-bit inputs have magnitudes in [1, 41] with
+// full significands, so their sums need rounding (what the 16-bit ops must
+// get right), while a float32 sum of up to 4 of them is still exact and AVG's
+// division by 2 or 4 stays clear of subnormals.
+at::Tensor make_input(at::ScalarType dt, int64_t numel, int who, int salt) {
+  const at::Tensor i = at::arange(numel, at::kLong);
+  if (is_16bit(dt)) {
+    const at::Tensor x = i.to(at::kDouble) * 0.37 + (who * 1.1 + salt * 0.7);
+    const at::Tensor sign = at::where((i + who + salt) % 3 == 0, -1.0, 1.0);
+    return ((1 + 40 * at::sin(x).abs()) * sign).to(dt);
+  }
+  const at::Tensor k = (i * 7 + who * 13 + salt * 5) % 61 - 30;
+  if (at::isFloatingType(dt)) return (k.to(at::kDouble) * 0.25).to(dt);
+  return k.to(dt);
+}
+
+// What a correct implementation may return: |got - value| <= tol, elementwise.
+struct Expected {
+  at::Tensor value;  // double
+  at::Tensor tol;    // double
+};
+
+Expected exact(const at::Tensor& t) {
+  const at::Tensor v = t.reshape({-1}).to(at::kDouble);
+  return {v, at::zeros_like(v)};
+}
+
+// Unit roundoff of a 16-bit type: half the gap between 1 and the next value.
+double unit_roundoff(at::ScalarType dt) { return dt == at::kBFloat16 ? 0x1p-8 : 0x1p-11; }
+
+// Elementwise reduction of equally sized flat inputs, one per member.
+Expected reference_reduce(const std::vector<at::Tensor>& inputs, ReduceOp op,
+                          at::ScalarType dt) {
+  const int n = static_cast<int>(inputs.size());
+  at::Tensor stacked = at::stack(inputs).to(at::kDouble);
+  if (op == ReduceOp::MAX) return exact(std::get<0>(stacked.max(0)));
+  const at::Tensor sum = stacked.sum(0);
+  Expected e{sum, at::zeros_like(sum)};
+  if (is_16bit(dt)) {
+    if (n <= 2) {
+      // One float32 addition (exact for these inputs) rounded once to 16 bits:
+      // the documented semantics make the result the correctly rounded sum.
+      e.value = sum.to(at::kFloat).to(dt).to(at::kDouble);
+    } else {
+      // With more ranks MPI chooses the order in which partial sums are
+      // combined, and each combination is rounded to 16 bits. Each rounding
+      // is off by at most u * |partial sum| <= u * sum|x_i|, so n - 1 of them
+      // bound the error by (n - 1) * u * sum|x_i| -- a few ulps of the sum.
+      e.tol = (n - 1) * unit_roundoff(dt) * stacked.abs().sum(0);
+    }
+  }
+  if (op == ReduceOp::AVG) {
+    // Dividing by 2 or 4 is exact in every floating type here.
+    e.value = e.value / n;
+    e.tol = e.tol / n;
+  }
+  return e;
+}
+
+// Empty when `got` (any shape) holds `want`'s values within tolerance and has
+// dtype `dt`; otherwise describes the first mismatch.
+std::string mismatch(const at::Tensor& got, at::ScalarType dt, const Expected& want) {
+  std::ostringstream os;
+  if (got.scalar_type() != dt) {
+    os << "dtype " << got.scalar_type() << ", expected " << dt;
+    return os.str();
+  }
+  const at::Tensor g = got.cpu().reshape({-1}).to(at::kDouble);
+  if (g.numel() != want.value.numel()) {
+    os << g.numel() << " elements, expected " << want.value.numel();
+    return os.str();
+  }
+  // Written as !(err <= tol) so that a NaN counts as a mismatch.
+  const at::Tensor bad = at::logical_not((g - want.value).abs() <= want.tol);
+  if (!bad.any().item<bool>()) return "";
+  const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+  os.precision(17);
+  os << bad.sum().item<int64_t>() << " of " << g.numel() << " elements wrong; first at " << i
+     << ": got " << g[i].item<double>() << ", expected " << want.value[i].item<double>()
+     << " (tolerance " << want.tol[i].item<double>() << ")";
+  return os.str();
+}
+
+#define CHECK_MATCH(got, dt, want)                          \
+  do {                                                      \
+    const std::string why_ = mismatch((got), (dt), (want)); \
+    BOOST_CHECK_MESSAGE(why_.empty(), #got ": " << why_);   \
+  } while (0)
+
+// ---- groups, counters, work handles ----------------------------------------
+
+struct TestGroup {
+  std::string label;
+  ProcessGroupPtr group;
+};
+
+std::vector<TestGroup> test_groups() {
+  const c10::DeviceType type = spmd::device().type();
   const int n = spmd::world_size();
-  BOOST_TEST(t[0].item<float>() == n * (n + 1) / 2);
+  std::vector<TestGroup> out;
+  auto with_name = [](const std::string& label, ProcessGroupPtr g) {
+    return TestGroup{label + " " + g->name(), std::move(g)};
+  };
+  const auto world = fsdp::init_device_mesh(type, {n});
+  out.push_back(with_name("mesh {" + std::to_string(n) + "} dim 0", world.get_group(0)));
+  if (n == 4) {
+    const auto hsdp = fsdp::init_device_mesh(type, {2, 2}, {"replicate", "shard"});
+    out.push_back(with_name("mesh {2,2} 'replicate'", hsdp.get_group("replicate")));
+    out.push_back(with_name("mesh {2,2} 'shard'", hsdp.get_group("shard")));
+    const auto mesh3 = fsdp::init_device_mesh(type, {2, 1, 2});
+    for (int d = 0; d < 3; ++d) {
+      out.push_back(with_name("mesh {2,1,2} dim " + std::to_string(d), mesh3.get_group(d)));
+    }
+  }
+  return out;
+}
+
+int64_t count_of(const fsdp::CollectiveCounters& c, const std::string& op,
+                 const std::string& group) {
+  const auto it = c.count.find({op, group});
+  return it == c.count.end() ? 0 : it->second;
+}
+
+int64_t bytes_of(const fsdp::CollectiveCounters& c, const std::string& op,
+                 const std::string& group) {
+  const auto it = c.bytes.find({op, group});
+  return it == c.bytes.end() ? 0 : it->second;
+}
+
+int64_t all_counts(const fsdp::CollectiveCounters& c) {
+  int64_t n = 0;
+  for (const auto& entry : c.count) n += entry.second;
+  return n;
+}
+
+int64_t payload(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// Runs `call`, one collective on `g`, and checks that the counters recorded
+// exactly it: one more (op, group) call carrying `bytes`, nothing else.
+WorkPtr counted(const std::string& op, const ProcessGroup& g, int64_t bytes,
+                const std::function<WorkPtr()>& call) {
+  const fsdp::CollectiveCounters before = fsdp::collective_counters();
+  WorkPtr work = call();
+  const fsdp::CollectiveCounters after = fsdp::collective_counters();
+  BOOST_CHECK_MESSAGE(count_of(after, op, g.name()) == count_of(before, op, g.name()) + 1,
+                      "counter (" << op << ", " << g.name() << ") went from "
+                                  << count_of(before, op, g.name()) << " to "
+                                  << count_of(after, op, g.name()));
+  BOOST_CHECK_MESSAGE(all_counts(after) == all_counts(before) + 1,
+                      op << " changed the total count by "
+                         << all_counts(after) - all_counts(before));
+  BOOST_CHECK_MESSAGE(
+      bytes_of(after, op, g.name()) == bytes_of(before, op, g.name()) + bytes,
+      op << " added " << bytes_of(after, op, g.name()) - bytes_of(before, op, g.name())
+         << " payload bytes, expected " << bytes);
+  return work;
+}
+
+// A synchronous call must hand back a completed Work; an async one completes
+// by wait(). Either way is_completed() holds afterwards and wait() may be
+// called again.
+void finish(const WorkPtr& work, bool async_op) {
+  BOOST_CHECK_MESSAGE(work != nullptr, "the collective returned no Work");
+  if (!work) return;
+  if (!async_op) BOOST_CHECK_MESSAGE(work->is_completed(), "a synchronous call returned early");
+  work->wait();
+  BOOST_CHECK_MESSAGE(work->is_completed(), "is_completed() is false after wait()");
+  work->wait();
+}
+
+std::string context(const TestGroup& tg, at::ScalarType dt, const std::string& rest,
+                    bool async_op) {
+  std::ostringstream os;
+  os << "group " << tg.label << " (group rank " << tg.group->rank() << "), dtype " << dt
+     << ", " << rest << (async_op ? ", async" : ", sync");
+  return os.str();
+}
+
+std::string sized(int64_t numel) { return "numel " + std::to_string(numel); }
+
+std::string op_sized(ReduceOp op, int64_t numel) {
+  return "op " + fsdp::to_string(op) + ", " + sized(numel);
+}
+
+// A value outside every input's range, so untouched output is caught.
+at::Tensor filled(at::IntArrayRef shape, at::ScalarType dt) {
+  return at::full(shape, 999, at::TensorOptions(dt).device(spmd::device()));
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(test_all_gather_into_tensor) {
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    for (at::ScalarType dt : kDtypes) {
+      for (int64_t numel : kSizes) {
+        for (bool async_op : {false, true}) {
+          BOOST_TEST_CONTEXT(context(tg, dt, sized(numel), async_op)) {
+            const at::Tensor input = make_input(dt, numel, g.rank(), 0).to(spmd::device());
+            const std::vector<at::Tensor> all = exchange(g, input);
+            at::Tensor output = filled({g.size() * numel}, dt);
+            finish(counted("all_gather", g, payload(input),
+                           [&] { return g.all_gather_into_tensor(output, input, async_op); }),
+                   async_op);
+            CHECK_MATCH(output, dt, exact(at::cat(all)));
+            CHECK_MATCH(input, dt, exact(all[static_cast<size_t>(g.rank())]));
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_reduce_scatter_tensor) {
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    for (at::ScalarType dt : kDtypes) {
+      for (ReduceOp op : ops_for(dt)) {
+        for (int64_t numel : kSizes) {
+          for (bool async_op : {false, true}) {
+            BOOST_TEST_CONTEXT(context(tg, dt, op_sized(op, numel), async_op)) {
+              const at::Tensor input =
+                  make_input(dt, g.size() * numel, g.rank(), 1).to(spmd::device());
+              const std::vector<at::Tensor> all = exchange(g, input);
+              at::Tensor output = filled({numel}, dt);
+              finish(counted("reduce_scatter", g, payload(input),
+                             [&] {
+                               return g.reduce_scatter_tensor(output, input, op, async_op);
+                             }),
+                     async_op);
+              const Expected full = reference_reduce(all, op, dt);
+              const int64_t begin = g.rank() * numel;
+              CHECK_MATCH(output, dt,
+                          (Expected{full.value.narrow(0, begin, numel),
+                                    full.tol.narrow(0, begin, numel)}));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_all_reduce) {
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    for (at::ScalarType dt : kDtypes) {
+      for (ReduceOp op : ops_for(dt)) {
+        for (int64_t numel : kSizes) {
+          for (bool async_op : {false, true}) {
+            BOOST_TEST_CONTEXT(context(tg, dt, op_sized(op, numel), async_op)) {
+              at::Tensor tensor = make_input(dt, numel, g.rank(), 2).to(spmd::device());
+              const std::vector<at::Tensor> all = exchange(g, tensor);
+              finish(counted("all_reduce", g, payload(tensor),
+                             [&] { return g.all_reduce(tensor, op, async_op); }),
+                     async_op);
+              CHECK_MATCH(tensor, dt, reference_reduce(all, op, dt));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_broadcast_from_every_root) {
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    for (at::ScalarType dt : kDtypes) {
+      for (int64_t numel : kSizes) {
+        for (int root = 0; root < g.size(); ++root) {
+          for (bool async_op : {false, true}) {
+            BOOST_TEST_CONTEXT(context(tg, dt, sized(numel) + ", root " + std::to_string(root),
+                                       async_op)) {
+              at::Tensor tensor = make_input(dt, numel, g.rank(), 3 + root).to(spmd::device());
+              const std::vector<at::Tensor> all = exchange(g, tensor);
+              finish(counted("broadcast", g, payload(tensor),
+                             [&] { return g.broadcast(tensor, root, async_op); }),
+                     async_op);
+              CHECK_MATCH(tensor, dt, exact(all[static_cast<size_t>(root)]));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+constexpr int64_t kRowWidth = 5;
+
+// all_to_all_single on `g` where member i sends rows[i][j] rows to member j,
+// checked against the members' inputs.
+void check_all_to_all(const TestGroup& tg, at::ScalarType dt, bool async_op,
+                      const std::vector<std::vector<int64_t>>& rows, bool pass_splits) {
+  ProcessGroup& g = *tg.group;
+  const auto me = static_cast<size_t>(g.rank());
+  const size_t n = rows.size();
+  std::vector<int64_t> in_splits, out_splits;
+  int64_t in_rows = 0, out_rows = 0;
+  for (size_t j = 0; j < n; ++j) {
+    in_splits.push_back(rows[me][j]);
+    out_splits.push_back(rows[j][me]);
+    in_rows += rows[me][j];
+    out_rows += rows[j][me];
+  }
+  const at::Tensor input =
+      make_input(dt, in_rows * kRowWidth, g.rank(), 4).reshape({in_rows, kRowWidth}).to(
+          spmd::device());
+  const std::vector<at::Tensor> all = exchange(g, input);
+  at::Tensor output = filled({out_rows, kRowWidth}, dt);
+  const std::vector<int64_t> no_splits;
+  finish(counted("all_to_all", g, payload(input),
+                 [&] {
+                   return g.all_to_all_single(output, input, pass_splits ? out_splits : no_splits,
+                                              pass_splits ? in_splits : no_splits, async_op);
+                 }),
+         async_op);
+  // Block j of the output is the block that member j addressed to this rank.
+  std::vector<at::Tensor> blocks;
+  for (size_t j = 0; j < n; ++j) {
+    int64_t offset = 0;
+    for (size_t k = 0; k < me; ++k) offset += rows[j][k];
+    blocks.push_back(all[j].reshape({-1, kRowWidth}).narrow(0, offset, rows[j][me]));
+  }
+  CHECK_MATCH(output, dt, exact(at::cat(blocks)));
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(test_all_to_all_single_equal_split) {
+  for (const TestGroup& tg : test_groups()) {
+    const auto n = static_cast<size_t>(tg.group->size());
+    const std::vector<std::vector<int64_t>> rows(n, std::vector<int64_t>(n, 3));
+    for (at::ScalarType dt : kDtypes) {
+      for (bool async_op : {false, true}) {
+        BOOST_TEST_CONTEXT(context(tg, dt, "3 rows to each rank, no split sizes", async_op)) {
+          check_all_to_all(tg, dt, async_op, rows, false);
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_all_to_all_single_uneven_split) {
+  for (const TestGroup& tg : test_groups()) {
+    const auto n = static_cast<size_t>(tg.group->size());
+    // 0, 1 or 2 rows from i to j: zero-row blocks in both directions, and
+    // ranks that send and receive different totals.
+    std::vector<std::vector<int64_t>> uneven(n, std::vector<int64_t>(n));
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = 0; j < n; ++j) uneven[i][j] = static_cast<int64_t>((i + 2 * j + 1) % 3);
+    }
+    const std::vector<std::vector<int64_t>> empty(n, std::vector<int64_t>(n, 0));
+    for (at::ScalarType dt : kDtypes) {
+      for (bool async_op : {false, true}) {
+        BOOST_TEST_CONTEXT(context(tg, dt, "(i + 2j + 1) % 3 rows from i to j", async_op)) {
+          check_all_to_all(tg, dt, async_op, uneven, true);
+        }
+        BOOST_TEST_CONTEXT(context(tg, dt, "zero rows everywhere", async_op)) {
+          check_all_to_all(tg, dt, async_op, empty, true);
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_send_recv_ring) {
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    if (g.size() < 2) continue;  // a one-rank group has no peer to talk to
+    const int next = (g.rank() + 1) % g.size();
+    const int prev = (g.rank() + g.size() - 1) % g.size();
+    for (at::ScalarType dt : kDtypes) {
+      for (int64_t numel : {int64_t{7}, int64_t{4099}}) {
+        for (int tag : {0, 32767}) {
+          for (bool async_op : {false, true}) {
+            BOOST_TEST_CONTEXT(context(tg, dt, sized(numel) + ", tag " + std::to_string(tag),
+                                       async_op)) {
+              const at::Tensor sent = make_input(dt, numel, g.rank(), 5).to(spmd::device());
+              const std::vector<at::Tensor> all = exchange(g, sent);
+              at::Tensor received = filled({numel}, dt);
+              auto do_send = [&] {
+                return counted("send", g, payload(sent),
+                               [&] { return g.send(sent, next, tag, async_op); });
+              };
+              auto do_recv = [&] {
+                return counted("recv", g, payload(received),
+                               [&] { return g.recv(received, prev, tag, async_op); });
+              };
+              // A group runs its operations one at a time in issue order, so
+              // a rank whose receive comes first cannot send until it is
+              // matched: even ranks send first, odd ranks receive first.
+              WorkPtr first, second;
+              if (g.rank() % 2 == 0) {
+                first = do_send();
+                second = do_recv();
+              } else {
+                first = do_recv();
+                second = do_send();
+              }
+              finish(first, async_op);
+              finish(second, async_op);
+              CHECK_MATCH(received, dt, exact(all[static_cast<size_t>(prev)]));
+              CHECK_MATCH(sent, dt, exact(all[static_cast<size_t>(g.rank())]));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_barrier) {
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kDelay = std::chrono::milliseconds(400);
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    BOOST_TEST_CONTEXT("group " << tg.label << " (group rank " << g.rank() << ")") {
+      // Line every rank up on the reference communicator, then hold group
+      // rank 0 back: no member may leave the barrier before it entered. Half
+      // the delay is margin for ranks that leave the line-up late.
+      MPI_Barrier(g_ref_comm);
+      const auto start = Clock::now();
+      if (g.rank() == 0) std::this_thread::sleep_for(kDelay);
+      counted("barrier", g, 0, [&] {
+        g.barrier();
+        return WorkPtr();
+      });
+      const auto waited = Clock::now() - start;
+      if (g.rank() != 0) {
+        BOOST_CHECK_MESSAGE(waited >= kDelay / 2,
+                            "left the barrier after "
+                                << std::chrono::duration<double>(waited).count()
+                                << " s although group rank 0 entered it after "
+                                << std::chrono::duration<double>(kDelay).count() << " s");
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_async_ops_in_flight_complete_in_issue_order) {
+  constexpr int64_t kNumel = 4099;
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    const int root = g.size() - 1;
+    for (at::ScalarType dt : kDtypes) {
+      BOOST_TEST_CONTEXT(context(tg, dt, "five ops in flight", true)) {
+        const at::Tensor a = make_input(dt, kNumel, g.rank(), 6).to(spmd::device());
+        const at::Tensor b = make_input(dt, kNumel, g.rank(), 7).to(spmd::device());
+        const at::Tensor c = make_input(dt, g.size() * kNumel, g.rank(), 8).to(spmd::device());
+        const std::vector<at::Tensor> all_a = exchange(g, a);
+        const std::vector<at::Tensor> all_b = exchange(g, b);
+        const std::vector<at::Tensor> all_c = exchange(g, c);
+
+        // The first two touch the same tensor, so only issue order gives
+        // n * a[root]; the reverse would give root's sum of a.
+        at::Tensor chained = a.clone();
+        at::Tensor gathered = filled({g.size() * kNumel}, dt);
+        at::Tensor maxed = b.clone();
+        at::Tensor scattered = filled({kNumel}, dt);
+        std::vector<WorkPtr> works;
+        works.push_back(counted("broadcast", g, payload(chained),
+                                [&] { return g.broadcast(chained, root, true); }));
+        works.push_back(counted("all_reduce", g, payload(chained),
+                                [&] { return g.all_reduce(chained, ReduceOp::SUM, true); }));
+        works.push_back(counted("all_gather", g, payload(b), [&] {
+          return g.all_gather_into_tensor(gathered, b, true);
+        }));
+        works.push_back(counted("all_reduce", g, payload(maxed),
+                                [&] { return g.all_reduce(maxed, ReduceOp::MAX, true); }));
+        works.push_back(counted("reduce_scatter", g, payload(c), [&] {
+          return g.reduce_scatter_tensor(scattered, c, ReduceOp::SUM, true);
+        }));
+
+        // Poll newest first: once an op is seen complete, every op issued
+        // before it must already be complete.
+        bool ordered = true;
+        for (bool last_done = false; !last_done;) {
+          last_done = works.back()->is_completed();
+          bool later_done = false;
+          for (auto it = works.rbegin(); it != works.rend(); ++it) {
+            const bool done = (*it)->is_completed();
+            if (later_done && !done) ordered = false;
+            later_done = later_done || done;
+          }
+          std::this_thread::yield();
+        }
+        BOOST_CHECK_MESSAGE(ordered, "an op completed before one issued earlier");
+        for (const WorkPtr& w : works) finish(w, true);
+
+        const std::vector<at::Tensor> copies(static_cast<size_t>(g.size()),
+                                             all_a[static_cast<size_t>(root)]);
+        CHECK_MATCH(chained, dt, reference_reduce(copies, ReduceOp::SUM, dt));
+        CHECK_MATCH(gathered, dt, exact(at::cat(all_b)));
+        CHECK_MATCH(maxed, dt, reference_reduce(all_b, ReduceOp::MAX, dt));
+        const Expected full = reference_reduce(all_c, ReduceOp::SUM, dt);
+        const int64_t begin = g.rank() * kNumel;
+        CHECK_MATCH(scattered, dt,
+                    (Expected{full.value.narrow(0, begin, kNumel),
+                              full.tol.narrow(0, begin, kNumel)}));
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_collective_counters_count_each_call_and_reset) {
+  const std::vector<TestGroup> groups = test_groups();
+  const c10::TensorOptions options = at::TensorOptions(at::kFloat).device(spmd::device());
+  auto check_empty = [](const char* when) {
+    const fsdp::CollectiveCounters c = fsdp::collective_counters();
+    BOOST_CHECK_MESSAGE(c.count.empty() && c.bytes.empty() && c.sequence.empty(),
+                        "counters not empty " << when << ": " << all_counts(c) << " calls, "
+                                              << c.sequence.size() << " records");
+  };
+
+  fsdp::reset_collective_counters();
+  check_empty("after reset");
+
+  // One call of each kind per group, remembered in issue order.
+  std::vector<std::pair<std::string, std::string>> issued;
+  std::vector<int64_t> issued_bytes;
+  for (const TestGroup& tg : groups) {
+    ProcessGroup& g = *tg.group;
+    BOOST_TEST_CONTEXT("group " << tg.label) {
+      const int n = g.size();
+      auto note = [&](const std::string& op, int64_t bytes) {
+        issued.emplace_back(op, g.name());
+        issued_bytes.push_back(bytes);
+      };
+      at::Tensor x = at::ones({6}, options);
+      at::Tensor big = at::ones({6 * n}, options);
+      at::Tensor small = at::ones({6}, options);
+      counted("all_gather", g, 24, [&] { return g.all_gather_into_tensor(big, x); });
+      note("all_gather", 24);
+      counted("reduce_scatter", g, 24 * n,
+              [&] { return g.reduce_scatter_tensor(small, big, ReduceOp::AVG); });
+      note("reduce_scatter", 24 * n);
+      counted("all_reduce", g, 24, [&] { return g.all_reduce(x, ReduceOp::MAX, true); })->wait();
+      note("all_reduce", 24);
+      counted("broadcast", g, 24, [&] { return g.broadcast(x, 0); });
+      note("broadcast", 24);
+      at::Tensor rows = at::ones({n, 2}, options);
+      at::Tensor rows_out = at::empty({n, 2}, options);
+      counted("all_to_all", g, 8 * n, [&] { return g.all_to_all_single(rows_out, rows); });
+      note("all_to_all", 8 * n);
+      if (n > 1) {
+        // Pairs (0,1), (2,3): the group sizes here are 2 or 4.
+        const int peer = g.rank() ^ 1;
+        if (g.rank() % 2 == 0) {
+          counted("send", g, 24, [&] { return g.send(x, peer); });
+          counted("recv", g, 24, [&] { return g.recv(x, peer); });
+          note("send", 24);
+          note("recv", 24);
+        } else {
+          counted("recv", g, 24, [&] { return g.recv(x, peer); });
+          counted("send", g, 24, [&] { return g.send(x, peer); });
+          note("recv", 24);
+          note("send", 24);
+        }
+      }
+      counted("barrier", g, 0, [&] {
+        g.barrier();
+        return WorkPtr();
+      });
+      note("barrier", 0);
+    }
+  }
+
+  const fsdp::CollectiveCounters c = fsdp::collective_counters();
+  std::map<std::pair<std::string, std::string>, int64_t> expected_count;
+  for (const auto& key : issued) ++expected_count[key];
+  BOOST_CHECK(c.count == expected_count);
+  BOOST_CHECK_EQUAL(c.sequence.size(), issued.size());
+  for (size_t i = 0; i < std::min(c.sequence.size(), issued.size()); ++i) {
+    const fsdp::CollectiveRecord& r = c.sequence[i];
+    BOOST_CHECK_MESSAGE(r.op == issued[i].first && r.group == issued[i].second &&
+                            r.bytes == issued_bytes[i],
+                        "record " << i << " is (" << r.op << ", " << r.group << ", " << r.bytes
+                                  << "), issued (" << issued[i].first << ", "
+                                  << issued[i].second << ", " << issued_bytes[i] << ")");
+  }
+  const std::string world = groups.front().group->name();
+  BOOST_CHECK_EQUAL(c.total("barrier"), static_cast<int64_t>(groups.size()));
+  BOOST_CHECK_EQUAL(c.total("barrier", world), expected_count[{"barrier", world}]);
+
+  fsdp::reset_collective_counters();
+  check_empty("after the second reset");
+  ProcessGroup& g = *groups.front().group;
+  at::Tensor x = at::ones({3}, options);
+  counted("all_reduce", g, 12, [&] { return g.all_reduce(x); });
+  BOOST_CHECK_EQUAL(fsdp::collective_counters().count.size(), 1u);
+  BOOST_CHECK_EQUAL(count_of(fsdp::collective_counters(), "all_reduce", g.name()), 1);
 }

@@ -25,8 +25,8 @@ std::mutex& pending_mu() {
   static std::mutex mu;
   return mu;
 }
-std::unordered_map<const detail::TaskWork*, Clock::time_point>& pending() {
-  static std::unordered_map<const detail::TaskWork*, Clock::time_point> p;
+std::unordered_map<const detail::PendingWork*, Clock::time_point>& pending() {
+  static std::unordered_map<const detail::PendingWork*, Clock::time_point> p;
   return p;
 }
 
@@ -52,17 +52,17 @@ void reset_collective_counters() {
 
 std::string describe_pending_collectives() {
   std::lock_guard<std::mutex> lock(pending_mu());
-  if (pending().empty()) return "none";
   std::ostringstream os;
   const auto now = Clock::now();
   bool first = true;
   for (const auto& [work, since] : pending()) {
+    if (work->finished()) continue;
     if (!first) os << "; ";
     first = false;
     os << work->description() << ", "
        << std::chrono::duration<double>(now - since).count() << " s in flight";
   }
-  return os.str();
+  return first ? "none" : os.str();
 }
 
 namespace detail {
@@ -75,12 +75,12 @@ void count_collective(const std::string& op, const std::string& group, int64_t b
   if (c.sequence.size() < kMaxSequence) c.sequence.push_back({op, group, bytes});
 }
 
-void register_pending(const TaskWork* w) {
+void register_pending(const PendingWork* w) {
   std::lock_guard<std::mutex> lock(pending_mu());
   pending().emplace(w, Clock::now());
 }
 
-void unregister_pending(const TaskWork* w) {
+void unregister_pending(const PendingWork* w) {
   std::lock_guard<std::mutex> lock(pending_mu());
   pending().erase(w);
 }

@@ -1,2 +1,382 @@
 // DTensor (lite): placements, ceil-div shard layout and redistribution.
 #include "fsdp/dtensor.h"
+
+#include "fsdp/errors.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace fsdp {
+
+Placement Placement::Partial(ReduceOp op) {
+  if (op != ReduceOp::SUM && op != ReduceOp::AVG) {
+    throw ArgumentError("op", "Placement::Partial: 'op' = " + ::fsdp::to_string(op) +
+                                  "; accepted: sum, avg");
+  }
+  return Placement(Kind::Partial, 0, op);
+}
+
+bool Placement::operator==(const Placement& o) const {
+  if (kind_ != o.kind_) return false;
+  switch (kind_) {
+    case Kind::Shard: return dim_ == o.dim_;
+    case Kind::Partial: return op_ == o.op_;
+    case Kind::Replicate: return true;
+  }
+  return false;
+}
+
+std::string Placement::to_string() const {
+  switch (kind_) {
+    case Kind::Shard: return "Shard(" + std::to_string(dim_) + ")";
+    case Kind::Replicate: return "Replicate()";
+    case Kind::Partial: return "Partial(" + ::fsdp::to_string(op_) + ")";
+  }
+  return "Unknown()";
+}
+
+namespace {
+
+void check_layout_args(const char* fn, int64_t n, int64_t parts) {
+  if (n < 0) {
+    throw ArgumentError("n", std::string(fn) + ": 'n' = " + std::to_string(n) +
+                                 "; accepted: n >= 0");
+  }
+  if (parts < 1) {
+    throw ArgumentError("parts", std::string(fn) + ": 'parts' = " + std::to_string(parts) +
+                                     "; accepted: parts >= 1");
+  }
+}
+
+}  // namespace
+
+int64_t shard_chunk(int64_t n, int64_t parts) {
+  check_layout_args("shard_chunk", n, parts);
+  return (n + parts - 1) / parts;
+}
+
+ShardExtent shard_extent(int64_t n, int64_t parts, int64_t index) {
+  check_layout_args("shard_extent", n, parts);
+  if (index < 0 || index >= parts) {
+    throw ArgumentError("index", "shard_extent: 'index' = " + std::to_string(index) +
+                                     "; accepted: 0 <= index < parts = " + std::to_string(parts));
+  }
+  const int64_t c = shard_chunk(n, parts);
+  const int64_t begin = std::min(index * c, n);
+  const int64_t end = std::min((index + 1) * c, n);
+  return {begin, end - begin};
+}
+
+namespace {
+
+std::string placements_str(const std::vector<Placement>& placements) {
+  std::string s = "[";
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += placements[i].to_string();
+  }
+  return s + "]";
+}
+
+std::string shape_str(c10::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << sizes;
+  return os.str();
+}
+
+// Checks the count and the Shard dims against a tensor of `ndim` dims and
+// maps negative Shard dims to their positive form, so that later comparisons
+// (Shard(-1) vs Shard(1)) see one spelling.
+std::vector<Placement> normalize_placements(const std::string& fn,
+                                            const std::vector<Placement>& placements,
+                                            const DeviceMesh& mesh, int64_t ndim) {
+  if (static_cast<int64_t>(placements.size()) != mesh.ndim()) {
+    throw ArgumentError("placements", fn + ": 'placements' " + placements_str(placements) +
+                                          " has " + std::to_string(placements.size()) +
+                                          " entries; expected one per mesh dim (" +
+                                          std::to_string(mesh.ndim()) + ")");
+  }
+  std::vector<Placement> out;
+  out.reserve(placements.size());
+  for (const Placement& p : placements) {
+    if (!p.is_shard()) {
+      out.push_back(p);
+      continue;
+    }
+    if (p.dim() < -ndim || p.dim() >= ndim) {
+      throw ArgumentError("placements", fn + ": 'placements' " + placements_str(placements) +
+                                            " shards dim " + std::to_string(p.dim()) +
+                                            " of a tensor with " + std::to_string(ndim) +
+                                            " dims; accepted: Shard(d) with " +
+                                            std::to_string(-ndim) + " <= d < " +
+                                            std::to_string(ndim));
+    }
+    out.push_back(Placement::Shard(p.dim() < 0 ? p.dim() + ndim : p.dim()));
+  }
+  return out;
+}
+
+// This rank's piece of a global tensor of `shape`.
+std::vector<int64_t> local_shape(std::vector<int64_t> shape, const DeviceMesh& mesh,
+                                 const std::vector<Placement>& placements) {
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    const Placement& p = placements[static_cast<size_t>(i)];
+    if (!p.is_shard()) continue;
+    const ProcessGroupPtr g = mesh.get_group(i);
+    int64_t& n = shape[static_cast<size_t>(p.dim())];
+    n = shard_extent(n, g->size(), g->rank()).length;
+  }
+  return shape;
+}
+
+// Length along tensor dim `d` of the piece that mesh dim `mesh_dim` splits:
+// the global length cut down by the mesh dims to its left.
+int64_t piece_length(int64_t n, const DeviceMesh& mesh, const std::vector<Placement>& placements,
+                     int mesh_dim, int64_t d) {
+  for (int j = 0; j < mesh_dim; ++j) {
+    if (!placements[static_cast<size_t>(j)].is_shard(d)) continue;
+    const ProcessGroupPtr g = mesh.get_group(j);
+    n = shard_extent(n, g->size(), g->rank()).length;
+  }
+  return n;
+}
+
+// Collectives split along dim 0 of contiguous buffers, so a Shard(d) with
+// d != 0 works on a copy with d moved to the front.
+at::Tensor to_front(const at::Tensor& t, int64_t d) { return t.movedim(d, 0).contiguous(); }
+at::Tensor from_front(const at::Tensor& t, int64_t d) { return t.movedim(0, d).contiguous(); }
+
+// Zero padding: reductions over padded rows then stay zero and never leak
+// into a neighbour's rows.
+at::Tensor pad_rows(const at::Tensor& front, int64_t rows) {
+  if (front.size(0) == rows) return front;
+  std::vector<int64_t> sizes = front.sizes().vec();
+  sizes[0] = rows;
+  at::Tensor padded = at::zeros(sizes, front.options());
+  padded.narrow(0, 0, front.size(0)).copy_(front);
+  return padded;
+}
+
+// Shard(d) -> Replicate over `g`; `n` is the length along d of the piece
+// that the group splits.
+at::Tensor gather_shards(const at::Tensor& local, int64_t d, int64_t n, ProcessGroup& g) {
+  const int64_t k = g.size();
+  if (k == 1) return local;
+  const int64_t c = shard_chunk(n, k);
+  const at::Tensor padded = pad_rows(to_front(local, d), c);
+  std::vector<int64_t> sizes = padded.sizes().vec();
+  sizes[0] = k * c;
+  at::Tensor out = at::empty(sizes, padded.options());
+  g.all_gather_into_tensor(out, padded);
+  return from_front(out.narrow(0, 0, n), d);
+}
+
+// Partial(op) -> Replicate over `g`.
+at::Tensor reduce_partial(const at::Tensor& local, ReduceOp op, ProcessGroup& g) {
+  if (g.size() == 1) return local;
+  // all_reduce works in place; the source DTensor must keep its value.
+  at::Tensor t = local.clone(at::MemoryFormat::Contiguous);
+  g.all_reduce(t, op);
+  return t;
+}
+
+// Partial(op) -> Shard(d) over `g`.
+at::Tensor reduce_scatter_shards(const at::Tensor& local, int64_t d, ReduceOp op,
+                                 ProcessGroup& g) {
+  const int64_t k = g.size();
+  if (k == 1) return local;
+  const int64_t n = local.size(d);
+  const int64_t c = shard_chunk(n, k);
+  const at::Tensor padded = pad_rows(to_front(local, d), k * c);
+  std::vector<int64_t> sizes = padded.sizes().vec();
+  sizes[0] = c;
+  at::Tensor out = at::empty(sizes, padded.options());
+  g.reduce_scatter_tensor(out, padded, op);
+  return from_front(out.narrow(0, 0, shard_extent(n, k, g.rank()).length), d);
+}
+
+// Replicate -> Shard(d) over `g`. A copy, so that the shard does not pin the
+// whole tensor's storage.
+at::Tensor take_shard(const at::Tensor& t, int64_t d, const ProcessGroup& g) {
+  const ShardExtent e = shard_extent(t.size(d), g.size(), g.rank());
+  return t.narrow(d, e.offset, e.length).clone(at::MemoryFormat::Contiguous);
+}
+
+// Without a global shape: every rank's record (first offending world rank or
+// -1, then its local sizes) is all-gathered over each mesh dim, right to
+// left, and replaced by the combined piece's record. After the gather over
+// mesh dim i a record depends only on mesh coordinates 0..i-1, so after dim 0
+// every rank holds the same record: one global shape and one verdict.
+// Replicate and Partial dims are gathered too, both to spread the verdict and
+// to check that their members hold equal shapes.
+std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMesh& mesh,
+                                        const std::vector<Placement>& placements) {
+  const int64_t nd = local.dim();
+  std::vector<int64_t> record(static_cast<size_t>(nd + 1));
+  record[0] = -1;
+  std::copy(local.sizes().begin(), local.sizes().end(), record.begin() + 1);
+  for (int i = mesh.ndim() - 1; i >= 0; --i) {
+    const ProcessGroupPtr g = mesh.get_group(i);
+    const int64_t k = g->size();
+    if (k == 1) continue;
+    at::Tensor mine = at::empty({nd + 1}, at::kLong);
+    std::copy(record.begin(), record.end(), mine.data_ptr<int64_t>());
+    at::Tensor all = at::empty({k, nd + 1}, at::kLong);
+    g->all_gather_into_tensor(all, mine);
+    const auto rec = all.accessor<int64_t, 2>();
+
+    int64_t bad = -1;
+    auto blame = [&bad](int64_t world_rank) {
+      if (bad < 0 || world_rank < bad) bad = world_rank;
+    };
+    const Placement& p = placements[static_cast<size_t>(i)];
+    const int64_t d = p.is_shard() ? p.dim() : -1;
+    int64_t total = 0;
+    for (int64_t r = 0; r < k; ++r) {
+      if (rec[r][0] >= 0) blame(rec[r][0]);
+      if (d >= 0) total += rec[r][d + 1];
+    }
+    for (int64_t r = 0; r < k; ++r) {
+      const int64_t world_rank = g->world_ranks()[static_cast<size_t>(r)];
+      for (int64_t e = 0; e < nd; ++e) {
+        const int64_t want = e == d ? shard_extent(total, k, r).length : rec[0][e + 1];
+        if (rec[r][e + 1] != want) blame(world_rank);
+      }
+    }
+    record[0] = bad;
+    for (int64_t e = 0; e < nd; ++e) record[static_cast<size_t>(e + 1)] = e == d ? total : rec[0][e + 1];
+  }
+  if (record[0] >= 0) {
+    throw ShapeError("local", "DTensor::from_local: the 'local' pieces do not fit placements " +
+                                  placements_str(placements) + " on " + mesh.to_string() +
+                                  " (first misfit: world rank " + std::to_string(record[0]) +
+                                  "; this rank's 'local' has shape " + shape_str(local.sizes()) +
+                                  "); a Shard(d) piece must have shard_extent(n, parts, "
+                                  "index).length rows along d and equal sizes elsewhere");
+  }
+  return std::vector<int64_t>(record.begin() + 1, record.end());
+}
+
+}  // namespace
+
+DTensor::DTensor(at::Tensor local, DeviceMesh mesh, std::vector<Placement> placements,
+                 std::vector<int64_t> shape)
+    : local_(std::move(local)),
+      mesh_(std::move(mesh)),
+      placements_(std::move(placements)),
+      shape_(std::move(shape)) {}
+
+DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh,
+                            const std::vector<Placement>& placements,
+                            std::optional<std::vector<int64_t>> shape) {
+  if (!local.defined()) {
+    throw ArgumentError("local", "DTensor::from_local: 'local' is an undefined tensor");
+  }
+  std::vector<Placement> p = normalize_placements("DTensor::from_local", placements, mesh,
+                                                  local.dim());
+  if (!shape) return DTensor(local, mesh, p, infer_global_shape(local, mesh, p));
+
+  if (static_cast<int64_t>(shape->size()) != local.dim() ||
+      std::any_of(shape->begin(), shape->end(), [](int64_t s) { return s < 0; })) {
+    throw ShapeError("shape", "DTensor::from_local: 'shape' = " + shape_str(*shape) +
+                                  "; accepted: " + std::to_string(local.dim()) +
+                                  " non-negative sizes (the dims of 'local')");
+  }
+  // An explicit shape keeps from_local free of communication, so this check
+  // is local: only the ranks whose piece does not fit throw.
+  const std::vector<int64_t> want = local_shape(*shape, mesh, p);
+  if (local.sizes() != c10::IntArrayRef(want)) {
+    throw ShapeError("local", "DTensor::from_local: 'local' has shape " +
+                                  shape_str(local.sizes()) + " but placements " +
+                                  placements_str(p) + " of global shape " + shape_str(*shape) +
+                                  " on " + mesh.to_string() + " give this rank " +
+                                  shape_str(want));
+  }
+  return DTensor(local, mesh, std::move(p), std::move(*shape));
+}
+
+at::Tensor DTensor::full_tensor() const {
+  if (!defined()) throw StateError("DTensor::full_tensor: the DTensor is undefined");
+  return redistribute(std::vector<Placement>(placements_.size(), Placement::Replicate()))
+      .to_local();
+}
+
+// Mesh dims that change go through Replicate: right to left they are
+// gathered or reduced, then left to right they are split again. A mesh dim
+// may only be gathered or split along tensor dim d while no mesh dim to its
+// right splits d (that one splits the piece this one would need whole), so
+// such dims are taken through Replicate too even if they do not change.
+// Partial -> Shard skips the detour and reduce-scatters in the second pass.
+DTensor DTensor::redistribute(const std::vector<Placement>& placements) const {
+  if (!defined()) throw StateError("DTensor::redistribute: the DTensor is undefined");
+  const std::vector<Placement> target = normalize_placements(
+      "DTensor::redistribute", placements, *mesh_, static_cast<int64_t>(shape_.size()));
+  const int n = mesh_->ndim();
+  std::vector<Placement> cur = placements_;
+
+  std::vector<bool> redo(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) redo[i] = cur[i] != target[i];
+  for (int i = 0; i < n; ++i) {
+    if (!redo[i]) continue;
+    for (const Placement& p : {cur[i], target[i]}) {
+      if (!p.is_shard()) continue;
+      for (int j = i + 1; j < n; ++j) {
+        if (cur[j].is_shard(p.dim())) redo[j] = true;
+      }
+    }
+  }
+
+  at::Tensor t = local_;
+  for (int i = n - 1; i >= 0; --i) {
+    if (!redo[i]) continue;
+    const ProcessGroupPtr g = mesh_->get_group(i);
+    if (cur[i].is_shard()) {
+      const int64_t d = cur[i].dim();
+      t = gather_shards(t, d, piece_length(shape_[static_cast<size_t>(d)], *mesh_, cur, i, d), *g);
+      cur[i] = Placement::Replicate();
+    } else if (cur[i].is_partial() && !target[i].is_shard()) {
+      t = reduce_partial(t, cur[i].reduce_op(), *g);
+      cur[i] = Placement::Replicate();
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!redo[i]) continue;
+    const ProcessGroupPtr g = mesh_->get_group(i);
+    const Placement& want = target[i];
+    if (want.is_shard()) {
+      t = cur[i].is_partial() ? reduce_scatter_shards(t, want.dim(), cur[i].reduce_op(), *g)
+                              : take_shard(t, want.dim(), *g);
+    } else if (want.is_partial() && want.reduce_op() == ReduceOp::SUM && g->rank() != 0) {
+      t = at::zeros_like(t);
+    }
+    cur[i] = want;
+  }
+  return DTensor(t, *mesh_, target, shape_);
+}
+
+int64_t DTensor::numel() const {
+  if (!defined()) return 0;
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  return n;
+}
+
+DTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh,
+                          const std::vector<Placement>& placements) {
+  if (!full.defined()) {
+    throw ArgumentError("full", "distribute_tensor: 'full' is an undefined tensor");
+  }
+  const std::vector<Placement> p = normalize_placements("distribute_tensor", placements, mesh,
+                                                        full.dim());
+  const DTensor whole = DTensor::from_local(
+      full, mesh, std::vector<Placement>(p.size(), Placement::Replicate()), full.sizes().vec());
+  DTensor out = whole.redistribute(p);
+  // The caller may keep changing `full`; the DTensor must not change with it.
+  if (!out.to_local().is_alias_of(full)) return out;
+  return DTensor::from_local(out.to_local().clone(at::MemoryFormat::Contiguous), mesh, p,
+                             out.shape());
+}
+
+}  // namespace fsdp

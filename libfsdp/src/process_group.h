@@ -21,10 +21,22 @@
 
 namespace fsdp::detail {
 
+// An issued collective as the pending-collective registry sees it (see
+// register_pending).
+class PendingWork {
+ public:
+  virtual ~PendingWork() = default;
+  virtual const std::string& description() const = 0;
+  // Work that completes on a device stream, unseen by the host, stays
+  // registered for its handle's lifetime; the registry lists it only while
+  // this is false.
+  virtual bool finished() const { return false; }
+};
+
 // A unit of communication executed on a CommThread; also the Work handle
 // returned for it. It registers itself as pending until it completes, so a
 // watchdog can name it.
-class TaskWork : public Work {
+class TaskWork : public Work, public PendingWork {
  public:
   TaskWork(std::function<void()> fn, std::string description);
   ~TaskWork() override;
@@ -32,7 +44,7 @@ class TaskWork : public Work {
   bool is_completed() override;
 
   void run() noexcept;  // executes fn, records the error, signals waiters
-  const std::string& description() const { return description_; }
+  const std::string& description() const override { return description_; }
 
  private:
   std::function<void()> fn_;
@@ -83,9 +95,10 @@ class Backend {
 
 // MPI transport for CPU tensors over `comm` (owned: freed on destruction).
 std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name);
-// NCCL transport for CUDA tensors on `device`; bootstraps its communicator
-// with a unique id broadcast over `bootstrap` (not owned). Collective over the
-// group. Defined only when built with FSDP_WITH_NCCL.
+// NCCL transport for CUDA tensors on `device`. Its communicators are created
+// on first use, bootstrapped over `bootstrap` (not owned): the group's by the
+// first collective, a pair's by its first send/recv, so constructing it does
+// not communicate. Defined only when built with FSDP_WITH_NCCL.
 std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
                                            std::string group_name);
 
@@ -130,8 +143,8 @@ class ProcessGroupImpl final : public ProcessGroup {
 };
 
 // ---- pending-collective registry (diagnostics) ----
-void register_pending(const TaskWork* w);
-void unregister_pending(const TaskWork* w);
+void register_pending(const PendingWork* w);
+void unregister_pending(const PendingWork* w);
 
 // ---- counters ----
 void count_collective(const std::string& op, const std::string& group, int64_t bytes);

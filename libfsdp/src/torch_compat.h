@@ -24,3 +24,32 @@ inline std::string dtype_name(c10::ScalarType t) { return c10::toString(t); }
 inline void set_intra_op_threads(int n) { at::set_num_threads(n); }
 
 }  // namespace fsdp::compat
+
+#ifdef FSDP_WITH_NCCL
+// ---- CUDA streams and the caching allocator (NCCL backend only) ----
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace fsdp::compat {
+
+// A stream for communication kernels. Pool streams live as long as the
+// process, which matters: the caching allocator records an event on every
+// stream passed to record_stream() when that memory is freed, possibly after
+// the backend that used the stream is gone, so such a stream must never be
+// destroyed. High priority lets collectives start ahead of queued compute.
+// 2.x adds getStreamFromPool(int priority, ...) beside this overload; passing a
+// bool selects the overload that 1.13 also has.
+inline c10::cuda::CUDAStream comm_stream(c10::DeviceIndex device) {
+  return c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device);
+}
+
+// Keeps the caching allocator from handing `t`'s memory to another tensor
+// until the work queued on `stream` so far has finished. 1.13 declares a free
+// function; 2.x forwards the same call to its pluggable allocator object.
+inline void record_stream(const at::Tensor& t, c10::cuda::CUDAStream stream) {
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+}
+
+}  // namespace fsdp::compat
+#endif  // FSDP_WITH_NCCL

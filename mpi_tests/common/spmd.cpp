@@ -78,6 +78,8 @@ class Watchdog {
         std::cerr << "[watchdog] rank " << rank() << ": test case '" << case_ << "' exceeded "
                   << seconds_ << " s (FSDP_TEST_TIMEOUT); pending collectives: "
                   << fsdp::describe_pending_collectives() << "; aborting the MPI job" << std::endl;
+        // Give the other stuck ranks a moment to report too before the job dies.
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
         MPI_Abort(MPI_COMM_WORLD, 124);
       }
     }
@@ -162,9 +164,12 @@ class AttachFixtures : public utf::test_tree_visitor {
   }
 };
 
+std::string g_suite_name;
+
 bool init_suite() {
+  utf::framework::master_test_suite().p_name.value = g_suite_name;
   AttachFixtures attach;
-  utf::traverse_test_tree(utf::framework::master_test_suite(), attach);
+  utf::traverse_test_tree(utf::framework::master_test_suite(), attach, /*ignore_status=*/true);
   if (rank() != 0) {
     utf::unit_test_log.set_stream(g_rank_log);
     utf::unit_test_log.set_threshold_level(utf::log_all_errors);
@@ -208,6 +213,7 @@ int main(int argc, char** argv) {
   spmd::g_watchdog = std::make_unique<spmd::Watchdog>();
 
   const std::string exe = spmd::basename_of(argv[0]);
+  spmd::g_suite_name = exe;
   std::vector<std::string> args(argv, argv + argc);
   if (spmd::rank() == 0) {
     const char* junit_dir = std::getenv("FSDP_JUNIT_DIR");
@@ -216,6 +222,7 @@ int main(int argc, char** argv) {
       logger += ":JUNIT,all," + std::string(junit_dir) + "/" + exe + ".xml";
     }
     args.push_back(logger);
+    args.push_back("--color_output=no");
   } else {
     args.push_back("--report_level=no");
   }

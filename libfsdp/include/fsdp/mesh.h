@@ -14,6 +14,7 @@
 #include <c10/core/DeviceType.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,10 @@ class DeviceMesh {
   // Sub-mesh over the named dimensions (in mesh order) that contains this rank.
   DeviceMesh operator[](const std::string& dim_name) const;
   DeviceMesh operator[](const std::vector<std::string>& dim_names) const;
+  // So that mesh[{"replicate", "shard"}] is not read as a std::string.
+  DeviceMesh operator[](std::initializer_list<std::string> dim_names) const {
+    return (*this)[std::vector<std::string>(dim_names)];
+  }
 
   // A 1-D mesh over the same ranks; its dim name defaults to the dim names
   // joined with "_". Collective over the world (creates a communicator once).

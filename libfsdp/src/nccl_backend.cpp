@@ -1,0 +1,379 @@
+// NCCL transport for CUDA tensors, stream-ordered like c10d's ProcessGroupNCCL.
+//
+// Each op runs on the backend's communication stream after the work already
+// queued on the caller's current stream, and its Work makes a later current
+// stream wait for it, so the host is never blocked and collectives overlap
+// compute. Unlike the MPI backend there is no communication thread: NCCL
+// enqueues kernels, so issuing from the caller's thread is already async.
+//
+// Communicators are created on first use. The group's comes with its first
+// collective (all members issue it). A send/recv between two members of a
+// larger group uses a communicator of just that pair, as c10d does: only the
+// two of them issue the op, so it cannot wait for the rest of the group.
+// NCCL has no message tags: sends and recvs between a pair match in issue
+// order, and `tag` (validated by ProcessGroupImpl) is ignored.
+#include "fsdp/errors.h"
+#include "process_group.h"
+#include "torch_compat.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ncclAvg and ncclBfloat16 appeared in NCCL 2.10.
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
+#error "libfsdp's NCCL backend needs NCCL >= 2.10"
+#endif
+
+namespace fsdp::detail {
+namespace {
+
+// Tag of the unique-id message that bootstraps a pair communicator.
+constexpr int kPairIdTag = 7;
+
+[[noreturn]] void throw_nccl(ncclResult_t rc, const std::string& what) {
+  std::string msg = "NCCL " + what + " failed: " + ncclGetErrorString(rc);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+  // The generic string above says "unhandled system error"; this says which.
+  const char* detail = ncclGetLastError(nullptr);
+  if (detail != nullptr && *detail != '\0') msg += std::string(" (") + detail + ")";
+#endif
+  throw CommError(msg);
+}
+
+void check_nccl(ncclResult_t rc, const std::string& what) {
+  if (rc != ncclSuccess) throw_nccl(rc, what);
+}
+
+void check_cuda(cudaError_t rc, const char* call, const std::string& what) {
+  if (rc != cudaSuccess) {
+    throw CommError(std::string("CUDA ") + call + " in " + what + " failed: " +
+                    cudaGetErrorString(rc));
+  }
+}
+
+ncclDataType_t nccl_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return ncclFloat32;
+    case c10::kDouble: return ncclFloat64;
+    case c10::kBFloat16: return ncclBfloat16;
+    case c10::kHalf: return ncclFloat16;
+    case c10::kInt: return ncclInt32;
+    case c10::kLong: return ncclInt64;
+    default:
+      throw DTypeError("tensor", std::string("the NCCL backend does not support dtype ") +
+                                     c10::toString(t));
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return ncclSum;
+    case ReduceOp::AVG: return ncclAvg;
+    case ReduceOp::MAX: return ncclMax;
+  }
+  throw ArgumentError("op", "unknown ReduceOp " + std::to_string(static_cast<int>(op)));
+}
+
+size_t count_of(const at::Tensor& t) { return static_cast<size_t>(t.numel()); }
+
+char* bytes_at(const at::Tensor& t, int64_t element_offset) {
+  return static_cast<char*>(t.data_ptr()) + element_offset * t.element_size();
+}
+
+// Travels from the rank that created the unique id to the others, with its
+// result, so that a failed ncclGetUniqueId fails every rank instead of
+// leaving the others waiting in ncclCommInitRank.
+struct UniqueIdMessage {
+  ncclResult_t rc = ncclSuccess;
+  ncclUniqueId id{};
+};
+
+class NcclWork final : public Work, public PendingWork {
+ public:
+  NcclWork(c10::DeviceIndex device, std::vector<at::Tensor> tensors, std::string description)
+      : device_(device), tensors_(std::move(tensors)), description_(std::move(description)) {
+    check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate",
+               description_);
+    register_pending(this);
+  }
+
+  ~NcclWork() override {
+    unregister_pending(this);
+    // Safe while the event is still pending: CUDA releases it once reached.
+    cudaEventDestroy(done_);
+  }
+
+  cudaEvent_t event() const { return done_; }
+
+  void wait() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_.empty()) throw CommError(error_);
+    }
+    check_cuda(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_).stream(), done_, 0),
+               "cudaStreamWaitEvent", description_ + " (Work::wait)");
+  }
+
+  bool is_completed() override {
+    const cudaError_t rc = query();
+    if (rc == cudaErrorNotReady) return false;
+    if (rc != cudaSuccess) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.empty()) {
+        error_ = "CUDA error in " + description_ + ": " + cudaGetErrorString(rc);
+      }
+    }
+    return true;
+  }
+
+  bool finished() const override { return query() != cudaErrorNotReady; }
+  const std::string& description() const override { return description_; }
+
+ private:
+  cudaError_t query() const {
+    const cudaError_t rc = cudaEventQuery(done_);
+    // "Not ready" would otherwise linger as this thread's last CUDA error and
+    // fail the next unrelated cudaGetLastError() check (c10 does the same).
+    if (rc == cudaErrorNotReady) (void)cudaGetLastError();
+    return rc;
+  }
+
+  c10::DeviceIndex device_;
+  // Held so the buffers outlive the transfer even if the caller drops them;
+  // record_stream covers a caller that frees them while this Work lives on.
+  std::vector<at::Tensor> tensors_;
+  std::string description_;
+  cudaEvent_t done_ = nullptr;
+  std::mutex mu_;
+  std::string error_;
+};
+
+class NcclBackend final : public Backend {
+ public:
+  NcclBackend(MPI_Comm bootstrap, c10::Device device, std::string group_name)
+      : bootstrap_(bootstrap), device_(device), group_name_(std::move(group_name)),
+        stream_(compat::comm_stream(device.index())) {
+    check_mpi(MPI_Comm_rank(bootstrap_, &rank_), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_size(bootstrap_, &size_), "MPI_Comm_size");
+    c10::cuda::CUDAGuard guard(device_.index());
+    check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate",
+               "NCCL backend set-up on " + group_name_);
+  }
+
+  ~NcclBackend() override {
+    for (auto& [peer, comm] : pair_comms_) release(comm);
+    if (comm_ != nullptr) release(comm_);
+    cudaEventDestroy(ready_);
+  }
+
+  WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
+    require_device(in, "input");
+    return issue("all_gather", {out, in}, async_op, [&](cudaStream_t s) {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), count_of(in),
+                           nccl_dtype(in.scalar_type()), group_comm(), s);
+    });
+  }
+
+  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, bool async_op) override {
+    require_device(in, "input");
+    return issue("reduce_scatter", {out, in}, async_op, [&](cudaStream_t s) {
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), count_of(out),
+                               nccl_dtype(in.scalar_type()), nccl_op(op), group_comm(), s);
+    });
+  }
+
+  WorkPtr all_reduce(at::Tensor t, ReduceOp op, bool async_op) override {
+    require_device(t, "tensor");
+    return issue("all_reduce", {t}, async_op, [&](cudaStream_t s) {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()),
+                           nccl_op(op), group_comm(), s);
+    });
+  }
+
+  WorkPtr broadcast(at::Tensor t, int root, bool async_op) override {
+    require_device(t, "tensor");
+    return issue("broadcast", {t}, async_op, [&](cudaStream_t s) {
+      return ncclBroadcast(t.data_ptr(), t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()),
+                           root, group_comm(), s);
+    });
+  }
+
+  WorkPtr all_to_all(at::Tensor out, at::Tensor in, SplitCounts c, bool async_op) override {
+    require_device(in, "input");
+    return issue("all_to_all", {out, in}, async_op, [&](cudaStream_t s) {
+      const ncclDataType_t dt = nccl_dtype(in.scalar_type());
+      ncclComm_t comm = group_comm();
+      ncclResult_t rc = ncclGroupStart();
+      if (rc != ncclSuccess) return rc;
+      // Zero-sized blocks are skipped on both sides alike: a rank's send
+      // count to a peer is that peer's receive count from it.
+      for (int r = 0; r < size_ && rc == ncclSuccess; ++r) {
+        if (c.send_counts[r] > 0) {
+          rc = ncclSend(bytes_at(in, c.send_displs[r]), static_cast<size_t>(c.send_counts[r]),
+                        dt, r, comm, s);
+        }
+        if (rc == ncclSuccess && c.recv_counts[r] > 0) {
+          rc = ncclRecv(bytes_at(out, c.recv_displs[r]), static_cast<size_t>(c.recv_counts[r]),
+                        dt, r, comm, s);
+        }
+      }
+      // Always close the group, even after a failed call inside it.
+      const ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess ? rc : end;
+    });
+  }
+
+  WorkPtr send(at::Tensor t, int dst, int /*tag*/, bool async_op) override {
+    require_device(t, "tensor");
+    return issue("send", {t}, async_op, [&](cudaStream_t s) {
+      const auto [comm, peer] = peer_comm(dst);
+      return ncclSend(t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()), peer, comm, s);
+    });
+  }
+
+  WorkPtr recv(at::Tensor t, int src, int /*tag*/, bool async_op) override {
+    require_device(t, "tensor");
+    return issue("recv", {t}, async_op, [&](cudaStream_t s) {
+      const auto [comm, peer] = peer_comm(src);
+      return ncclRecv(t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()), peer, comm, s);
+    });
+  }
+
+  void barrier() override {
+    // Only the arrival matters, not the token's value.
+    at::Tensor token = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(device_));
+    all_reduce(token, ReduceOp::SUM, /*async_op=*/false);
+    check_cuda(cudaStreamSynchronize(stream_.stream()), "cudaStreamSynchronize",
+               "barrier on " + group_name_);
+  }
+
+ private:
+  // Runs `launch` (which issues the NCCL calls on the stream it is given and
+  // returns their result) ordered after the caller's current stream.
+  template <typename Launch>
+  WorkPtr issue(const char* op, std::vector<at::Tensor> tensors, bool async_op,
+                Launch&& launch) {
+    std::lock_guard<std::mutex> lock(mu_);  // one NCCL call at a time per communicator
+    const std::string what =
+        std::string(op) + " on " + group_name_ + " #" + std::to_string(++sequence_) + " (nccl)";
+    c10::cuda::CUDAGuard guard(device_.index());
+    check_async_errors(what);
+    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+    check_cuda(cudaEventRecord(ready_, caller), "cudaEventRecord", what);
+    check_cuda(cudaStreamWaitEvent(stream_.stream(), ready_, 0), "cudaStreamWaitEvent", what);
+    // Created before the launch so that nothing is enqueued if it fails.
+    auto work = std::make_shared<NcclWork>(device_.index(), tensors, what);
+    check_nccl(launch(stream_.stream()), what);
+    for (const at::Tensor& t : tensors) compat::record_stream(t, stream_);
+    check_cuda(cudaEventRecord(work->event(), stream_.stream()), "cudaEventRecord", what);
+    if (!async_op) work->wait();
+    return work;
+  }
+
+  void require_device(const at::Tensor& t, const char* argument) const {
+    if (t.device() != device_) {
+      throw LayoutError(argument, std::string("'") + argument + "' is on " + t.device().str() +
+                                      " but the NCCL communicator of " + group_name_ +
+                                      " is on " + device_.str() +
+                                      "; a rank uses one CUDA device per group");
+    }
+  }
+
+  ncclComm_t group_comm() {
+    if (comm_ == nullptr) {
+      UniqueIdMessage msg;
+      if (rank_ == 0) msg.rc = ncclGetUniqueId(&msg.id);
+      check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, 0, bootstrap_),
+                "MPI_Bcast (NCCL unique id)");
+      comm_ = init_comm(msg, size_, rank_, "communicator of " + group_name_);
+    }
+    return comm_;
+  }
+
+  // The communicator and the peer's rank in it for a send/recv with `peer`.
+  std::pair<ncclComm_t, int> peer_comm(int peer) {
+    if (size_ == 2) return {group_comm(), peer};
+    auto it = pair_comms_.find(peer);
+    const bool low = rank_ < peer;
+    if (it == pair_comms_.end()) {
+      UniqueIdMessage msg;
+      if (low) {
+        msg.rc = ncclGetUniqueId(&msg.id);
+        check_mpi(MPI_Send(&msg, sizeof msg, MPI_BYTE, peer, kPairIdTag, bootstrap_),
+                  "MPI_Send (NCCL unique id)");
+      } else {
+        check_mpi(MPI_Recv(&msg, sizeof msg, MPI_BYTE, peer, kPairIdTag, bootstrap_,
+                           MPI_STATUS_IGNORE),
+                  "MPI_Recv (NCCL unique id)");
+      }
+      const std::string what = "communicator of group ranks " + std::to_string(rank_) + " and " +
+                               std::to_string(peer) + " of " + group_name_;
+      it = pair_comms_.emplace(peer, init_comm(msg, 2, low ? 0 : 1, what)).first;
+    }
+    return {it->second, low ? 1 : 0};
+  }
+
+  ncclComm_t init_comm(const UniqueIdMessage& msg, int nranks, int rank, const std::string& what) {
+    check_nccl(msg.rc, "ncclGetUniqueId for the " + what);
+    c10::cuda::CUDAGuard guard(device_.index());
+    ncclComm_t comm = nullptr;
+    check_nccl(ncclCommInitRank(&comm, nranks, msg.id, rank),
+               "ncclCommInitRank for the " + what + " on " + device_.str());
+    return comm;
+  }
+
+  // A failed peer or network leaves its communicator unusable and the ops on
+  // it spinning; this surfaces that at the next issue instead of queueing more.
+  void check_async_errors(const std::string& what) {
+    auto check = [&](ncclComm_t comm) {
+      ncclResult_t async = ncclSuccess;
+      check_nccl(ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError before " + what);
+      if (async != ncclSuccess) {
+        throw_nccl(async, "communicator of " + group_name_ + " (asynchronous error, seen before " +
+                              what + ")");
+      }
+    };
+    if (comm_ != nullptr) check(comm_);
+    for (const auto& [peer, comm] : pair_comms_) check(comm);
+  }
+
+  // A communicator with an asynchronous error is aborted: a graceful destroy
+  // would wait for peers that may never answer.
+  static void release(ncclComm_t comm) noexcept {
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async != ncclSuccess) {
+      ncclCommAbort(comm);
+    } else {
+      ncclCommDestroy(comm);
+    }
+  }
+
+  MPI_Comm bootstrap_;
+  c10::Device device_;
+  std::string group_name_;
+  c10::cuda::CUDAStream stream_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::mutex mu_;
+  uint64_t sequence_ = 0;
+  cudaEvent_t ready_ = nullptr;  // reusable: a stream wait captures the event when issued
+  ncclComm_t comm_ = nullptr;
+  std::map<int, ncclComm_t> pair_comms_;  // by peer group rank; only for groups of > 2
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
+                                           std::string group_name) {
+  return std::make_unique<NcclBackend>(bootstrap, device, std::move(group_name));
+}
+
+}  // namespace fsdp::detail
