@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Configures and builds libfsdp into ${BUILD_DIR:-build}. Extra arguments go to cmake.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_WARNINGS_AS_ERRORS=ON "$@"
+cmake --build "$build" -j "$(nproc)"

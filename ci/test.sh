@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The test command: installs dependencies, builds, and runs the CPU suites
+# (`ctest -L cpu`). This is what .ci/run calls.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+export BUILD_DIR="$build"
+
+"$root/ci/install-deps.sh"
+# GPU variants are registered (not run) so their listing is checked below.
+"$root/ci/build.sh" -DFSDP_REGISTER_GPU_TESTS=ON
+
+cd "$build"
+gpu4=$(ctest -N -L gpu4 | sed -n 's/^Total Tests: //p')
+if [ "${gpu4:-0}" -eq 0 ]; then
+  echo "ci/test.sh: no gpu4 tests registered (ctest -N -L gpu4)" >&2
+  exit 1
+fi
+echo "ci/test.sh: ${gpu4} gpu4 test(s) registered (not run: no GPU here)"
+
+ctest -L cpu --output-on-failure --no-tests=error "$@"
