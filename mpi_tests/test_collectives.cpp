@@ -66,7 +66,7 @@ std::vector<at::Tensor> exchange(const ProcessGroup& g, const at::Tensor& mine) 
   }
   for (size_t p = 0; p < members.size(); ++p) {
     if (static_cast<int>(p) == g.rank()) {
-      all[p] = local;
+      all[p] = local.clone();  // a snapshot: in-place collectives overwrite `mine`
       continue;
     }
     // Members' inputs may differ in size (all_to_all), so ask MPI for it.
@@ -606,6 +606,40 @@ BOOST_AUTO_TEST_CASE(test_async_ops_in_flight_complete_in_issue_order) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(test_async_work_is_not_completed_until_every_rank_joins) {
+  constexpr int kGoTag = 12;
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    if (g.size() < 2) continue;  // a one-rank group waits for nobody
+    BOOST_TEST_CONTEXT("group " << tg.label << " (group rank " << g.rank() << ")") {
+      const int n = g.size();
+      const std::vector<int>& members = g.world_ranks();
+      at::Tensor t = at::full({4099}, g.rank() + 1, at::TensorOptions(at::kFloat).device(spmd::device()));
+      auto issue = [&] {
+        return counted("all_reduce", g, payload(t),
+                       [&] { return g.all_reduce(t, ReduceOp::SUM, true); });
+      };
+      // Group rank 0 joins only after every other member has looked at its
+      // Work, so none of those can be complete when looked at.
+      WorkPtr work;
+      if (g.rank() == 0) {
+        for (int p = 1; p < n; ++p) {
+          MPI_Recv(nullptr, 0, MPI_BYTE, members[static_cast<size_t>(p)], kGoTag, g_ref_comm,
+                   MPI_STATUS_IGNORE);
+        }
+        work = issue();
+      } else {
+        work = issue();
+        BOOST_CHECK_MESSAGE(!work->is_completed(),
+                            "is_completed() is true before group rank 0 joined");
+        MPI_Send(nullptr, 0, MPI_BYTE, members[0], kGoTag, g_ref_comm);
+      }
+      finish(work, true);
+      CHECK_MATCH(t, at::kFloat, exact(at::full({4099}, n * (n + 1) / 2, at::kDouble)));
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(test_collective_counters_count_each_call_and_reset) {
   const std::vector<TestGroup> groups = test_groups();
   const c10::TensorOptions options = at::TensorOptions(at::kFloat).device(spmd::device());
@@ -684,7 +718,8 @@ BOOST_AUTO_TEST_CASE(test_collective_counters_count_each_call_and_reset) {
   }
   const std::string world = groups.front().group->name();
   BOOST_CHECK_EQUAL(c.total("barrier"), static_cast<int64_t>(groups.size()));
-  BOOST_CHECK_EQUAL(c.total("barrier", world), expected_count[{"barrier", world}]);
+  const int64_t world_barriers = expected_count[{"barrier", world}];
+  BOOST_CHECK_EQUAL(c.total("barrier", world), world_barriers);
 
   fsdp::reset_collective_counters();
   check_empty("after the second reset");

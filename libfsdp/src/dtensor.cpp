@@ -246,7 +246,9 @@ std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMes
       }
     }
     record[0] = bad;
-    for (int64_t e = 0; e < nd; ++e) record[static_cast<size_t>(e + 1)] = e == d ? total : rec[0][e + 1];
+    for (int64_t e = 0; e < nd; ++e) {
+      record[static_cast<size_t>(e + 1)] = e == d ? total : rec[0][e + 1];
+    }
   }
   if (record[0] >= 0) {
     throw ShapeError("local", "DTensor::from_local: the 'local' pieces do not fit placements " +
@@ -295,6 +297,11 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh,
                                   shape_str(want));
   }
   return DTensor(local, mesh, std::move(p), std::move(*shape));
+}
+
+const DeviceMesh& DTensor::device_mesh() const {
+  if (!mesh_) throw StateError("DTensor::device_mesh: the DTensor is undefined");
+  return *mesh_;
 }
 
 at::Tensor DTensor::full_tensor() const {

@@ -291,7 +291,7 @@ class NcclBackend final : public Backend {
     if (comm_ == nullptr) {
       UniqueIdMessage msg;
       if (rank_ == 0) msg.rc = ncclGetUniqueId(&msg.id);
-      check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, 0, bootstrap_),
+      check_mpi(MPI_Bcast(&msg, static_cast<int>(sizeof msg), MPI_BYTE, 0, bootstrap_),
                 "MPI_Bcast (NCCL unique id)");
       comm_ = init_comm(msg, size_, rank_, "communicator of " + group_name_);
     }
@@ -305,13 +305,13 @@ class NcclBackend final : public Backend {
     const bool low = rank_ < peer;
     if (it == pair_comms_.end()) {
       UniqueIdMessage msg;
+      const int bytes = static_cast<int>(sizeof msg);
       if (low) {
         msg.rc = ncclGetUniqueId(&msg.id);
-        check_mpi(MPI_Send(&msg, sizeof msg, MPI_BYTE, peer, kPairIdTag, bootstrap_),
+        check_mpi(MPI_Send(&msg, bytes, MPI_BYTE, peer, kPairIdTag, bootstrap_),
                   "MPI_Send (NCCL unique id)");
       } else {
-        check_mpi(MPI_Recv(&msg, sizeof msg, MPI_BYTE, peer, kPairIdTag, bootstrap_,
-                           MPI_STATUS_IGNORE),
+        check_mpi(MPI_Recv(&msg, bytes, MPI_BYTE, peer, kPairIdTag, bootstrap_, MPI_STATUS_IGNORE),
                   "MPI_Recv (NCCL unique id)");
       }
       const std::string what = "communicator of group ranks " + std::to_string(rank_) + " and " +

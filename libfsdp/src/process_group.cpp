@@ -240,8 +240,9 @@ WorkPtr ProcessGroupImpl::all_to_all_single(at::Tensor output, const at::Tensor&
   const char* fn = "all_to_all_single";
   check_pair(fn, output, input);
   if (input.dim() == 0 || output.dim() == 0) {
-    throw ShapeError(input.dim() == 0 ? "input" : "output",
-                     std::string(fn) + ": tensors need at least one dimension");
+    const char* arg = input.dim() == 0 ? "input" : "output";
+    throw ShapeError(arg, std::string(fn) + ": '" + arg +
+                              "' is 0-d; accepted: a tensor with at least one dimension");
   }
   const int64_t row_numel = input.size(0) > 0 ? input.numel() / input.size(0)
                                               : c10::multiply_integers(input.sizes().slice(1));

@@ -87,7 +87,8 @@ class DTensor {
   // The same global tensor with other placements on the same mesh.
   DTensor redistribute(const std::vector<Placement>& placements) const;
 
-  const DeviceMesh& device_mesh() const { return *mesh_; }
+  // StateError on a default-constructed (undefined) DTensor.
+  const DeviceMesh& device_mesh() const;
   const std::vector<Placement>& placements() const { return placements_; }
   // Global shape.
   const std::vector<int64_t>& shape() const { return shape_; }

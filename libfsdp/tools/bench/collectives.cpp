@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -70,6 +71,10 @@ const std::map<std::string, c10::ScalarType>& dtypes() {
   return table;
 }
 
+void check_mpi(int rc, const char* call) {
+  if (rc != MPI_SUCCESS) throw std::runtime_error(fmt::format("{} returned {}", call, rc));
+}
+
 // Widen to float32 and round once, as the library's 16-bit sum does, so
 // both sides do the same arithmetic.
 template <typename T>
@@ -93,7 +98,9 @@ class RawTypes {
       case c10::kBFloat16:
       case c10::kHalf:
         datatype_ = MPI_UINT16_T;
-        MPI_Op_create(t == c10::kBFloat16 ? sum16<c10::BFloat16> : sum16<c10::Half>, 1, &own_op_);
+        check_mpi(MPI_Op_create(t == c10::kBFloat16 ? sum16<c10::BFloat16> : sum16<c10::Half>, 1,
+                                &own_op_),
+                  "MPI_Op_create");
         sum_ = own_op_;
         break;
       default: throw std::logic_error("RawTypes: dtype outside dtypes()");
@@ -113,10 +120,6 @@ class RawTypes {
   MPI_Op sum_ = MPI_SUM;
   MPI_Op own_op_ = MPI_OP_NULL;
 };
-
-void check_mpi(int rc, const char* call) {
-  if (rc != MPI_SUCCESS) throw std::runtime_error(fmt::format("{} returned {}", call, rc));
-}
 
 // One collective at one size: its buffers, held by both closures, and the
 // two ways to run it.

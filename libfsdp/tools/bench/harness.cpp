@@ -101,7 +101,10 @@ std::vector<Stats> time_interleaved(MPI_Comm comm, const std::vector<std::functi
   const auto iters = static_cast<size_t>(timing.iters);
   std::vector<double> us(n * iters);  // [variant][iteration]
   for (int round = 0; round < timing.warmup + timing.iters; ++round) {
-    for (size_t v = 0; v < n; ++v) {
+    for (size_t k = 0; k < n; ++k) {
+      // Odd rounds run the variants in reverse, so no variant always goes
+      // first after the previous round (caches, a just-woken peer).
+      const size_t v = round % 2 == 0 ? k : n - 1 - k;
       // Every rank enters the call together, so the time is the call's own
       // and not a wait for a late peer.
       MPI_Barrier(comm);
@@ -184,6 +187,7 @@ void Report::print_headings() {
     }
     i = j;
   }
+  groups.erase(groups.find_last_not_of(' ') + 1);
   std::cout << groups << '\n' << titles << '\n' << units << '\n';
   headings_printed_ = true;
 }

@@ -52,9 +52,9 @@ struct Stats {
 };
 
 // Runs `variants` interleaved: each of warmup + iters rounds runs every
-// variant once in order, each call preceded by a barrier on `comm`, so slow
-// drift (load from other processes, frequency changes) hits all variants
-// alike. Returns one Stats per variant over the timed rounds. Collective over
+// variant once (in order, reversed in odd rounds), each call preceded by a
+// barrier on `comm`, so slow drift (load from other processes, frequency
+// changes) and position effects hit all variants alike. Returns one Stats per variant over the timed rounds. Collective over
 // `comm`; every rank must pass the same number of variants.
 std::vector<Stats> time_interleaved(MPI_Comm comm, const std::vector<std::function<void()>>& variants,
                                     const TimingOptions& timing);
