@@ -82,9 +82,7 @@ void check_still_works(ProcessGroup& g) {
 }
 
 // A non-contiguous tensor of `numel` elements.
-at::Tensor transposed(int64_t numel, at::ScalarType dt = at::kFloat) {
-  return at::zeros({2, numel / 2}, opts(dt)).t();
-}
+at::Tensor transposed(int64_t numel) { return at::zeros({2, numel / 2}, opts()).t(); }
 
 }  // namespace
 
@@ -384,8 +382,8 @@ BOOST_AUTO_TEST_CASE(test_rejected_calls_issue_nothing) {
           g.all_gather_into_tensor(at::zeros({3}, opts()), at::zeros({4}, opts()), async_op);
         });
         expect_error<DTypeError>("reduce_scatter_tensor", "input", [&] {
-          g.reduce_scatter_tensor(at::zeros({2}, opts(at::kInt)), at::zeros({2 * n}, opts(at::kInt)),
-                                  ReduceOp::AVG, async_op);
+          g.reduce_scatter_tensor(at::zeros({2}, opts(at::kInt)),
+                                  at::zeros({2 * n}, opts(at::kInt)), ReduceOp::AVG, async_op);
         });
         expect_error<DTypeError>("all_reduce", "tensor", [&] {
           g.all_reduce(at::zeros({4}, opts(at::kBool)), ReduceOp::SUM, async_op);

@@ -62,8 +62,12 @@ WorkPtr CommThread::submit(std::function<void()> fn, std::string description, bo
     work->run();
     lock.lock();
     busy_ = false;
+    // Wake the comm thread only if work was queued meanwhile: a needless
+    // wake-up costs a context switch that steals the core from a rank
+    // spinning inside MPI.
+    const bool queued = !queue_.empty();
     lock.unlock();
-    cv_.notify_all();
+    if (queued) cv_.notify_all();
     work->wait();  // rethrows the task's error
     return work;
   }

@@ -102,7 +102,7 @@ int DeviceMesh::dim_index(const std::string& dim_name) const {
   const auto& n = layout_->names;
   auto it = std::find(n.begin(), n.end(), dim_name);
   if (it == n.end()) {
-    throw MeshError("dim_name", "DeviceMesh: unknown dim name '" + dim_name + "' in " +
+    throw MeshError("dim_name", "DeviceMesh: 'dim_name' = '" + dim_name + "' is not a dim of " +
                                     to_string());
   }
   return static_cast<int>(it - n.begin());
@@ -114,16 +114,16 @@ DeviceMesh DeviceMesh::operator[](const std::string& dim_name) const {
 
 DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& dim_names) const {
   if (dim_names.empty()) {
-    throw MeshError("dim_names", "DeviceMesh: slicing needs at least one dim name");
+    throw MeshError("dim_names", "DeviceMesh: 'dim_names' is empty; slicing needs at least one dim name");
   }
   std::vector<int> dims;
   for (const auto& name : dim_names) {
     const int d = dim_index(name);
     if (std::find(dims.begin(), dims.end(), d) != dims.end()) {
-      throw MeshError("dim_names", "DeviceMesh: dim name '" + name + "' appears twice in the slice");
+      throw MeshError("dim_names", "DeviceMesh: 'dim_names' has '" + name + "' twice");
     }
     if (!dims.empty() && d < dims.back()) {
-      throw MeshError("dim_names", "DeviceMesh: slice names must follow the mesh order of " +
+      throw MeshError("dim_names", "DeviceMesh: 'dim_names' must follow the mesh order of " +
                                        to_string() + "; '" + name + "' comes too late");
     }
     dims.push_back(d);

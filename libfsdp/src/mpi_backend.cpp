@@ -4,6 +4,7 @@
 #include "process_group.h"
 
 #include <climits>
+#include <mutex>
 #include <string>
 
 namespace fsdp::detail {
@@ -23,6 +24,49 @@ std::vector<int> to_ints(const std::vector<int64_t>& v, const char* what) {
   for (size_t i = 0; i < v.size(); ++i) out[i] = to_int(v[i], what);
   return out;
 }
+
+// A started MPI point-to-point request; keeps its tensor alive until done.
+class RequestWork final : public Work, public PendingWork {
+ public:
+  RequestWork(MPI_Request request, at::Tensor tensor, std::string description)
+      : request_(request), tensor_(std::move(tensor)), description_(std::move(description)) {
+    register_pending(this);
+  }
+  ~RequestWork() override {
+    // A handle dropped before completion still owns an in-flight transfer.
+    if (!done_) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    unregister_pending(this);
+  }
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    const int rc = MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    complete();
+    check_mpi(rc, description_.c_str());
+  }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return true;
+    int flag = 0;
+    const int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS || flag) complete();
+    check_mpi(rc, description_.c_str());
+    return done_;
+  }
+  const std::string& description() const override { return description_; }
+
+ private:
+  void complete() {
+    done_ = true;
+    tensor_ = at::Tensor();
+    unregister_pending(this);
+  }
+  std::mutex mu_;
+  MPI_Request request_;
+  at::Tensor tensor_;
+  std::string description_;
+  bool done_ = false;
+};
 
 class MpiBackend final : public Backend {
  public:
@@ -86,20 +130,24 @@ class MpiBackend final : public Backend {
     });
   }
 
+  // Point-to-point starts at once (MPI_Isend/MPI_Irecv) instead of queueing
+  // behind the comm thread: queued blocking sends would deadlock a pairwise
+  // exchange where both sides send first. MPI matches collectives and
+  // point-to-point messages separately, so skipping the queue is safe.
   WorkPtr send(at::Tensor t, int dst, int tag, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const int count = to_int(t.numel(), "tensor");
-    return submit("send", async_op, [this, t, dt, count, dst, tag] {
-      check_mpi(MPI_Send(t.data_ptr(), count, dt, dst, tag, comm_), "MPI_Send");
-    });
+    MPI_Request request = MPI_REQUEST_NULL;
+    check_mpi(MPI_Isend(t.data_ptr(), count, dt, dst, tag, comm_, &request), "MPI_Isend");
+    return finish_p2p("send", request, t, async_op);
   }
 
   WorkPtr recv(at::Tensor t, int src, int tag, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const int count = to_int(t.numel(), "tensor");
-    return submit("recv", async_op, [this, t, dt, count, src, tag] {
-      check_mpi(MPI_Recv(t.data_ptr(), count, dt, src, tag, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
-    });
+    MPI_Request request = MPI_REQUEST_NULL;
+    check_mpi(MPI_Irecv(t.data_ptr(), count, dt, src, tag, comm_, &request), "MPI_Irecv");
+    return finish_p2p("recv", request, t, async_op);
   }
 
   void barrier() override {
@@ -107,10 +155,18 @@ class MpiBackend final : public Backend {
   }
 
  private:
+  WorkPtr finish_p2p(const char* op, MPI_Request request, at::Tensor t, bool async_op) {
+    auto work = std::make_shared<RequestWork>(request, std::move(t), describe(op));
+    if (!async_op) work->wait();
+    return work;
+  }
+
+  std::string describe(const char* op) {
+    return std::string(op) + " on " + group_name_ + " #" + std::to_string(++sequence_) + " (mpi)";
+  }
+
   WorkPtr submit(const char* op, bool async_op, std::function<void()> fn) {
-    std::string description = std::string(op) + " on " + group_name_ + " #" +
-                              std::to_string(++sequence_) + " (mpi)";
-    return thread_->submit(std::move(fn), std::move(description), async_op);
+    return thread_->submit(std::move(fn), describe(op), async_op);
   }
 
   MPI_Comm comm_;

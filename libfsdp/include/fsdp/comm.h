@@ -63,7 +63,7 @@ class ProcessGroup {
   virtual WorkPtr all_gather_into_tensor(at::Tensor output, const at::Tensor& input,
                                          bool async_op = false) = 0;
   // output (numel = input.numel() / size()) <- rank's block of the reduction
-  // of every rank's input. op: SUM or AVG.
+  // of every rank's input. op: SUM, AVG or MAX.
   virtual WorkPtr reduce_scatter_tensor(at::Tensor output, const at::Tensor& input,
                                         ReduceOp op = ReduceOp::SUM, bool async_op = false) = 0;
   // In-place reduction. op: SUM, AVG or MAX.
@@ -78,7 +78,10 @@ class ProcessGroup {
                                     const std::vector<int64_t>& output_split_sizes = {},
                                     const std::vector<int64_t>& input_split_sizes = {},
                                     bool async_op = false) = 0;
-  // Point-to-point with a group rank; tag >= 0.
+  // Point-to-point with another group rank; tag in 0..32767 (the smallest
+  // tag bound MPI guarantees; NCCL ignores tags and matches in issue order).
+  // Unlike collectives these are not queued behind the group's other work:
+  // they start at once, so an async send and recv may be in flight together.
   virtual WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0, bool async_op = false) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int src, int tag = 0, bool async_op = false) = 0;
   // Returns once every rank of the group has entered the barrier.

@@ -283,7 +283,8 @@ int run(const Options& o, const fsdp::Runtime& rt) {
                    "no size >= 1 MiB measured: no verdict on the target");
   } else {
     const double m = mean(all);
-    const auto below = std::count_if(all.begin(), all.end(), [](double r) { return r < kTargetRatio; });
+    const auto below =
+        std::count_if(all.begin(), all.end(), [](double r) { return r < kTargetRatio; });
     report.summary("mean_ratio_from_1MiB", m,
                    fmt::format("mean busbw ratio ours/raw for sizes >= 1 MiB: {:.3f} ({})", m,
                                per_op_text));

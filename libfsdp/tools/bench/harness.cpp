@@ -94,7 +94,8 @@ CLI::Validator size_argument() {
       "SIZE");
 }
 
-std::vector<Stats> time_interleaved(MPI_Comm comm, const std::vector<std::function<void()>>& variants,
+std::vector<Stats> time_interleaved(MPI_Comm comm,
+                                    const std::vector<std::function<void()>>& variants,
                                     const TimingOptions& timing) {
   using Clock = std::chrono::steady_clock;
   const size_t n = variants.size();
@@ -245,8 +246,8 @@ void add_runtime_meta(Report& report, const fsdp::Runtime& rt) {
              MPI_COMM_WORLD);
 
   report.meta("world_size", rt.world_size(),
-              fmt::format("world size {}, {} rank(s) per node, 1 caller thread and {} intra-op/BLAS "
-                          "thread(s) per rank, device {}",
+              fmt::format("world size {}, {} rank(s) per node, 1 caller thread and {} "
+                          "intra-op/BLAS thread(s) per rank, device {}",
                           rt.world_size(), rt.local_size(), rt.num_threads(), rt.device().str()));
   report.meta("ranks_per_node", rt.local_size());
   report.meta("threads_per_rank", rt.num_threads());

@@ -43,8 +43,8 @@ struct TimingOptions {
   int iters = 20;
 };
 
-// Per-iteration times of one variant; each time is already the maximum over
-// ranks (a collective is as slow as its slowest rank).
+// Summary of one variant's per-iteration times, each of which is already the
+// maximum over ranks (a collective is as slow as its slowest rank).
 struct Stats {
   double median_us = 0;
   double min_us = 0;
@@ -54,9 +54,11 @@ struct Stats {
 // Runs `variants` interleaved: each of warmup + iters rounds runs every
 // variant once (in order, reversed in odd rounds), each call preceded by a
 // barrier on `comm`, so slow drift (load from other processes, frequency
-// changes) and position effects hit all variants alike. Returns one Stats per variant over the timed rounds. Collective over
-// `comm`; every rank must pass the same number of variants.
-std::vector<Stats> time_interleaved(MPI_Comm comm, const std::vector<std::function<void()>>& variants,
+// changes) and position effects hit all variants alike. Returns one Stats
+// per variant over the timed rounds. Collective over `comm`; every rank must
+// pass the same number of variants.
+std::vector<Stats> time_interleaved(MPI_Comm comm,
+                                    const std::vector<std::function<void()>>& variants,
                                     const TimingOptions& timing);
 
 // ---- output ---------------------------------------------------------------
