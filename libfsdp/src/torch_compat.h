@@ -53,3 +53,25 @@ inline void record_stream(const at::Tensor& t, c10::cuda::CUDAStream stream) {
 
 }  // namespace fsdp::compat
 #endif  // FSDP_WITH_NCCL
+
+// ---- storage free / regrow (fully_shard's unsharded buffers) ----
+// Autograd may hold views of an unsharded parameter across reshard (e.g. the
+// weight.t() that addmm saves), so the buffer must keep its StorageImpl:
+// free it by resizing to 0 bytes and regrow it in place before re-gathering.
+#include <ATen/native/Resize.h>
+
+namespace fsdp::compat {
+
+// Frees a buffer's memory, keeping its StorageImpl (CPU). Device buffers are
+// kept allocated: not every LibTorch exposes an in-place device resize.
+inline void release_storage(const at::Tensor& t) {
+  if (t.is_cpu()) at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+}
+
+// Regrows a buffer released by release_storage to `nbytes`, in place.
+inline void restore_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  if (t.is_cpu() && impl->nbytes() != nbytes) at::native::resize_bytes_cpu(impl, nbytes);
+}
+
+}  // namespace fsdp::compat

@@ -4,5 +4,6 @@
 #include "fsdp/comm.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/errors.h"
+#include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
 #include "fsdp/runtime.h"

@@ -1,0 +1,287 @@
+// fully_shard: PyTorch-FSDP2-style sharding of LibTorch modules.
+//
+// Apply bottom-up -- each block, then the root:
+//
+//   struct NetImpl : torch::nn::Module {
+//     NetImpl() { for (int i = 0; i < 4; ++i) blocks.push_back(register_module(
+//                   "block" + std::to_string(i), Block())); ... }
+//     torch::Tensor forward(torch::Tensor x) {
+//       for (auto& b : blocks) x = b(x);        // fsdp::Sharded<Block>: intercepts
+//       return head(x);
+//     }
+//     std::vector<fsdp::Sharded<Block>> blocks;
+//     torch::nn::Linear head{nullptr};
+//   };
+//   TORCH_MODULE(Net);
+//
+//   Net net;
+//   for (auto& b : net->blocks) fsdp::fully_shard(b, options);
+//   fsdp::Sharded<Net> model = fsdp::fully_shard(net, options);   // the root
+//   auto loss = model(x).sum(); loss.backward(); optimizer.step();
+//
+// Forward interception. C++ modules have no forward hooks, so a sharded unit
+// is called through fsdp::Sharded<M>, a module holder the parent declares in
+// place of M (it behaves like M: ->, ptr(), forward(), operator()). Children
+// of torch::nn::Sequential need nothing: fully_shard(root) re-routes the
+// Sequential's entries for sharded children through the unit (tensor in,
+// tensor out). A Sharded<M> whose module is not sharded simply forwards.
+//
+// After fully_shard, between steps, every managed parameter's data is its
+// local shard (dim 0 by default, ceil-div layout: trailing ranks may own zero
+// rows); an optimizer built on module->parameters() steps the shards and the
+// next forward all-gathers the updated values.
+#pragma once
+
+#include "fsdp/dtensor.h"
+#include "fsdp/mesh.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+// Mixed precision (all fields optional). Shards keep their original dtype.
+struct MixedPrecisionPolicy {
+  // All-gather and compute dtype of the parameters (none = original dtype).
+  std::optional<c10::ScalarType> param_dtype;
+  // Gradient reduction dtype (none = param_dtype, else original dtype). The
+  // sharded gradient handed to the optimizer has this dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
+  // Floating tensor outputs of the unit's forward are cast to this dtype.
+  std::optional<c10::ScalarType> output_dtype;
+  // Cast floating tensor inputs of the unit's forward to param_dtype.
+  bool cast_forward_inputs = true;
+  // Accumulate each reduced gradient into an fp32 main gradient, which is
+  // what param.grad() then holds (and FSDPModule::main_grads() returns).
+  bool apply_grad_on_fp32_main_grad = false;
+};
+
+// Keep shards and sharded gradients in CPU memory (pinned when CUDA is
+// present); they move to the compute device for the all-gather. On a
+// CPU-only build this is valid and changes nothing (the device is the CPU).
+struct CPUOffloadPolicy {
+  bool pin_memory = true;
+};
+
+// Per-parameter placement override: return Placement::Shard(d) or
+// Placement::Replicate(), or std::nullopt for the default Shard(0).
+using ShardPlacementFn =
+    std::function<std::optional<Placement>(const std::string& name, const at::Tensor& param)>;
+
+struct FullyShardOptions {
+  // 1-D mesh = FSDP, 2-D (replicate, shard) = HSDP. None: 1-D over the world.
+  std::optional<DeviceMesh> mesh;
+  // Free the unsharded parameters after forward (and re-gather for backward).
+  bool reshard_after_forward = true;
+  ShardPlacementFn shard_placement_fn;
+  MixedPrecisionPolicy mp_policy;
+  std::optional<CPUOffloadPolicy> offload_policy;
+  // Left as plain full tensors: never communicated.
+  std::vector<at::Tensor> ignored_params;
+  // Managed but not sharded: full on every rank, gradients all-reduced.
+  std::vector<at::Tensor> replicate_params;
+  // One all-gather and one reduce-scatter per unit per pass over a flat
+  // buffer, instead of one per parameter.
+  bool comm_fusion = false;
+};
+
+struct UnitState;
+
+// Handle returned by FSDPModule::unshard(async_op=true).
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  // Blocks until the parameters are unsharded. Idempotent.
+  void wait();
+
+ private:
+  friend class FSDPModule;
+  explicit UnshardHandle(std::shared_ptr<UnitState> unit) : unit_(std::move(unit)) {}
+  std::shared_ptr<UnitState> unit_;
+};
+
+// The FSDP interface of one sharded unit (cheap to copy; refers to the unit).
+// Methods with `recurse` act on this unit and every unit inside its module
+// (recurse=true) or on this unit only (recurse=false).
+class FSDPModule {
+ public:
+  FSDPModule() = default;
+
+  // The module this unit was applied to.
+  std::shared_ptr<torch::nn::Module> module() const;
+
+  void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
+  // HSDP only matters: false skips the all-reduce over the replicate dim.
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
+  void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
+  void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+  // "sum" or "avg" (default); ArgumentError naming "reduce_op" otherwise.
+  void set_reduce_op_type(const std::string& reduce_op);
+  // Multiplies gradients in the reduction; nullopt clears. Finite and > 0.
+  void set_gradient_scaling_factor(std::optional<double> factor);
+  // false: backward may end with reductions still in flight (they are
+  // finished by the next forward, backward or finish_pending_reductions()).
+  void set_is_last_backward(bool is_last_backward);
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+
+  // All-gathers the parameters (returns at once with async_op=true; call
+  // wait() before reading them). Idempotent.
+  UnshardHandle unshard(bool async_op = false);
+  // Frees the unsharded parameters; the module sees its shards. Idempotent.
+  void reshard();
+  // Drops the gradients of every managed parameter of this unit (and its
+  // nested units): param.grad() is undefined afterwards.
+  void zero_grad();
+  // Waits for reductions left in flight by set_is_last_backward(false).
+  void finish_pending_reductions();
+
+  // Managed parameters as DTensors (local shard + mesh + placements), in
+  // module order; names are relative to module().
+  std::vector<std::pair<std::string, DTensor>> sharded_parameters() const;
+  // fp32 main gradients (apply_grad_on_fp32_main_grad), by parameter name.
+  std::vector<std::pair<std::string, at::Tensor>> main_grads() const;
+
+  // Sharded state dict: name -> DTensor (parameters, ignored ones excluded).
+  std::vector<std::pair<std::string, DTensor>> state_dict() const;
+  // Full state dict: name -> full tensor (collective over the mesh).
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() const;
+  // Accepts, per managed parameter name, a DTensor with matching placements,
+  // a tensor of the local shard shape, or a tensor of the global shape.
+  // ShapeError naming the entry otherwise; unknown names -> ArgumentError.
+  void load_state_dict(const std::vector<std::pair<std::string, DTensor>>& state);
+  void load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state);
+
+  const DeviceMesh& mesh() const;
+  bool is_root() const;
+
+ private:
+  friend FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>&, FullyShardOptions);
+  friend std::vector<FSDPModule> fully_shard(
+      const std::vector<std::shared_ptr<torch::nn::Module>>&, FullyShardOptions);
+  friend std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module&);
+  explicit FSDPModule(std::shared_ptr<UnitState> unit) : unit_(std::move(unit)) {}
+  UnitState& unit() const;
+  static std::vector<std::weak_ptr<UnitState>> prefetch_units(
+      const std::vector<FSDPModule>& modules, const char* fn);
+  std::shared_ptr<UnitState> unit_;
+};
+
+// Shards `module`'s parameters (those not already managed by a unit inside
+// it, nor ignored) as one unit. Collective over the mesh. Errors: a module
+// already sharded, a module without parameters to manage, a mesh with
+// ndim > 2, a Shard(d) placement out of range or uneven on d != 0, a
+// parameter both ignored and replicated -> ArgumentError (or subclass)
+// naming the argument.
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
+                       FullyShardOptions options = {});
+// One unit over several modules: one all-gather / reduce-scatter for all of
+// them. Returns one FSDPModule per module, all referring to the shared unit.
+std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                                    FullyShardOptions options = {});
+
+// The unit `module` belongs to as the module fully_shard was applied to.
+std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module);
+
+namespace detail {
+// The pieces of a unit's forward, used by Sharded<M>: begin_forward runs the
+// pre-forward (root logic, unshard, prefetch) and returns false when
+// `module` is not sharded; cast_input applies cast_forward_inputs;
+// finish_output casts to output_dtype and attaches the pre-backward hook;
+// end_forward reshards (reshard_after_forward) and records forward order.
+bool begin_forward(const torch::nn::Module& module, std::shared_ptr<UnitState>& unit);
+at::Tensor cast_input(const std::shared_ptr<UnitState>& unit, const at::Tensor& t);
+at::Tensor finish_output(const std::shared_ptr<UnitState>& unit, const at::Tensor& t);
+void end_forward(const std::shared_ptr<UnitState>& unit);
+
+template <typename T>
+decltype(auto) cast_arg(const std::shared_ptr<UnitState>& unit, T&& value) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return at::Tensor(cast_input(unit, value));
+  } else {
+    return std::forward<T>(value);
+  }
+}
+
+template <typename T>
+T finish(const std::shared_ptr<UnitState>& unit, T out) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    return finish_output(unit, out);
+  } else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>) {
+    for (auto& t : out) t = finish_output(unit, t);
+    return out;
+  } else {
+    static_assert(std::is_same_v<T, at::Tensor> || std::is_same_v<T, std::vector<at::Tensor>>,
+                  "fsdp::Sharded<M>: a sharded unit's forward must return at::Tensor or "
+                  "std::vector<at::Tensor> (its outputs carry the pre-backward hook)");
+    return out;
+  }
+}
+}  // namespace detail
+
+// Module holder that routes forward through the FSDP unit of its module.
+// M is a LibTorch module holder (torch::nn::Linear, or TORCH_MODULE(Block)).
+template <typename M>
+class Sharded {
+ public:
+  Sharded() : holder_(nullptr) {}
+  Sharded(std::nullptr_t) : holder_(nullptr) {}  // NOLINT: mirrors ModuleHolder
+  Sharded(M holder) : holder_(std::move(holder)) {}  // NOLINT: implicit like ModuleHolder
+  // What register_module returns for a holder.
+  Sharded(std::shared_ptr<typename M::ContainedType> impl)  // NOLINT: implicit
+      : holder_(std::move(impl)) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    std::shared_ptr<UnitState> unit;
+    if (!detail::begin_forward(*holder_, unit)) {
+      return holder_->forward(std::forward<Args>(args)...);
+    }
+    auto out = holder_->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
+    out = detail::finish(unit, std::move(out));
+    detail::end_forward(unit);
+    return out;
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  auto* operator->() { return holder_.get(); }
+  const auto* operator->() const { return holder_.get(); }
+  auto ptr() const { return holder_.ptr(); }
+  M& holder() { return holder_; }
+  const M& holder() const { return holder_; }
+  bool is_empty() const { return holder_.is_empty(); }
+  operator std::shared_ptr<torch::nn::Module>() const { return holder_.ptr(); }  // NOLINT
+
+ private:
+  M holder_;
+};
+
+// Typed convenience for the root: shards `holder`'s module and returns the
+// holder that routes forward through the unit.
+template <typename M, typename = std::enable_if_t<std::is_base_of_v<
+                          torch::nn::ModuleHolder<typename M::ContainedType>, M>>>
+Sharded<M> fully_shard(const M& holder, FullyShardOptions options = {}) {
+  fully_shard(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), std::move(options));
+  return Sharded<M>(holder);
+}
+
+template <typename M>
+FSDPModule fully_shard(const Sharded<M>& sharded, FullyShardOptions options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(sharded.ptr()),
+                     std::move(options));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,215 @@
+// ShardedParam: shard layout, unshard/reshard by set_data, gradient capture.
+#include "fsdp_param.h"
+
+#include "fsdp/errors.h"
+#include "torch_compat.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace fsdp::detail {
+namespace {
+
+// Runs a callback after AccumulateGrad stored the full gradient.
+class GradReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+int64_t product(c10::IntArrayRef v) {
+  int64_t p = 1;
+  for (int64_t x : v) p *= x;
+  return p;
+}
+
+}  // namespace
+
+ShardedParam::ShardedParam(std::string name, at::Tensor param, Placement placement,
+                           int64_t shard_size, int64_t shard_rank, const UnitDtypes& dtypes,
+                           c10::Device compute_device, bool offload, bool pin_memory)
+    : name_(std::move(name)),
+      param_(std::move(param)),
+      placement_(placement),
+      full_shape_(param_.sizes().vec()),
+      orig_dtype_(param_.scalar_type()),
+      param_dtype_(dtypes.param.value_or(orig_dtype_)),
+      reduce_dtype_(dtypes.reduce.value_or(param_dtype_)),
+      compute_device_(compute_device),
+      shard_size_(shard_size),
+      shard_rank_(shard_rank) {
+  const at::Tensor full = param_.detach();
+  const auto storage_device = offload ? c10::Device(c10::kCPU) : compute_device_;
+  auto storage_options = full.options().device(storage_device);
+  if (offload && pin_memory && compute_device_.is_cuda()) {
+    storage_options = storage_options.pinned_memory(true);
+  }
+  if (placement_.is_shard()) {
+    dim_ = placement_.dim();
+    const at::Tensor moved = full.movedim(dim_, 0);
+    moved_shape_ = moved.sizes().vec();
+    const int64_t rows = moved_shape_[0];
+    chunk_ = shard_chunk(rows, shard_size_);
+    const ShardExtent ext = shard_extent(rows, shard_size_, shard_rank_);
+    owned_rows_ = ext.length;
+    std::vector<int64_t> block_shape = moved_shape_;
+    block_shape[0] = chunk_;
+    padded_ = at::zeros(block_shape, storage_options);
+    padded_.narrow(0, 0, owned_rows_).copy_(moved.narrow(0, ext.offset, owned_rows_));
+    block_numel_ = product(block_shape);
+  } else {
+    padded_ = at::empty(full.sizes(), storage_options);
+    padded_.copy_(full);
+    block_numel_ = full.numel();
+  }
+  local_ = owned(padded_);
+  param_.mutable_grad() = at::Tensor();  // a full-shape gradient has no place on a shard
+  to_sharded();
+}
+
+at::Tensor ShardedParam::owned(const at::Tensor& block) const {
+  if (!placement_.is_shard()) return block;
+  return block.narrow(0, 0, owned_rows_).movedim(0, dim_);
+}
+
+at::Tensor ShardedParam::all_gather_input() {
+  if (param_dtype_ == orig_dtype_ && padded_.device() == compute_device_) {
+    return padded_.view({-1});
+  }
+  if (!gather_input_.defined()) {
+    gather_input_ = at::empty(padded_.sizes(), padded_.options().dtype(param_dtype_).device(
+                                                   compute_device_).pinned_memory(false));
+  }
+  gather_input_.copy_(padded_);
+  return gather_input_.view({-1});
+}
+
+at::Tensor ShardedParam::all_gather_output() {
+  const int64_t numel = block_numel_ * (placement_.is_shard() ? shard_size_ : 1);
+  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(param_dtype_);
+  if (!unsharded_buf_.defined()) {
+    std::vector<int64_t> shape = placement_.is_shard() ? moved_shape_ : full_shape_;
+    if (placement_.is_shard()) shape[0] = chunk_ * shard_size_;
+    unsharded_buf_ = at::empty(shape, padded_.options().dtype(param_dtype_).device(
+                                          compute_device_).pinned_memory(false));
+    full_ = placement_.is_shard()
+                ? unsharded_buf_.narrow(0, 0, moved_shape_[0]).movedim(0, dim_)
+                : unsharded_buf_;
+  } else {
+    compat::restore_storage(unsharded_buf_, nbytes);
+  }
+  return unsharded_buf_.view({-1});
+}
+
+void ShardedParam::to_unsharded() {
+  if (unsharded_) return;
+  if (!placement_.is_shard()) all_gather_output().copy_(padded_.view({-1}));
+  // The sharded gradient waits aside while autograd works on the full one.
+  if (param_.grad().defined()) {
+    stashed_grad_ = param_.grad();
+    param_.mutable_grad() = at::Tensor();
+  }
+  param_.set_data(full_);
+  unsharded_ = true;
+}
+
+void ShardedParam::to_sharded() {
+  const bool was_unsharded = unsharded_;
+  param_.set_data(local_);
+  unsharded_ = false;
+  if (stashed_grad_.defined()) {
+    param_.mutable_grad() = stashed_grad_;
+    stashed_grad_ = at::Tensor();
+  }
+  if (was_unsharded && unsharded_buf_.defined()) compat::release_storage(unsharded_buf_);
+}
+
+void ShardedParam::ensure_grad_hook(std::function<void()> on_ready) {
+  if (!param_.requires_grad()) return;
+  // Created now, while the parameter is in its full compute form, so its
+  // metadata accepts full gradients; a dtype change by set_data replaces the
+  // node, hence the identity check.
+  auto accumulator = torch::autograd::impl::grad_accumulator(param_);
+  if (accumulator == hooked_accumulator_) return;
+  accumulator->add_post_hook(std::make_unique<GradReadyHook>(std::move(on_ready)));
+  hooked_accumulator_ = std::move(accumulator);
+}
+
+void ShardedParam::take_unsharded_grad() {
+  at::Tensor g = param_.grad();
+  if (!g.defined()) return;
+  param_.mutable_grad() = at::Tensor();
+  // Autograd hands over a fresh tensor; keeping it (or its cast) is safe.
+  unsharded_grad_ = unsharded_grad_.defined() ? unsharded_grad_.add_(g.to(reduce_dtype_))
+                                              : g.to(reduce_dtype_);
+}
+
+at::Tensor ShardedParam::reduce_scatter_input() {
+  const auto options = padded_.options().dtype(reduce_dtype_).device(compute_device_)
+                           .pinned_memory(false);
+  if (!placement_.is_shard()) {
+    return unsharded_grad_.defined() ? unsharded_grad_.contiguous().view({-1})
+                                     : at::zeros({block_numel_}, options);
+  }
+  std::vector<int64_t> shape = moved_shape_;
+  shape[0] = chunk_ * shard_size_;
+  at::Tensor input = at::zeros(shape, options);
+  if (unsharded_grad_.defined()) {
+    input.narrow(0, 0, moved_shape_[0]).copy_(unsharded_grad_.movedim(dim_, 0));
+  }
+  return input.view({-1});
+}
+
+at::Tensor ShardedParam::current_sharded_grad() const {
+  return unsharded_ ? stashed_grad_ : param_.grad();
+}
+
+void ShardedParam::set_grad(const at::Tensor& g) {
+  if (unsharded_) {
+    stashed_grad_ = g;
+  } else {
+    param_.mutable_grad() = g;
+  }
+}
+
+void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad) {
+  at::Tensor g;
+  if (placement_.is_shard()) {
+    std::vector<int64_t> block_shape = moved_shape_;
+    block_shape[0] = chunk_;
+    g = owned(reduced.view(block_shape));
+  } else {
+    g = reduced.view(full_shape_);
+  }
+  if (to_fp32_main_grad) {
+    at::Tensor g32 = g.to(padded_.device(), at::kFloat);
+    main_grad_ = main_grad_.defined() ? main_grad_.add_(g32) : g32.contiguous();
+    set_grad(main_grad_);
+    return;
+  }
+  at::Tensor existing = current_sharded_grad();
+  g = g.to(padded_.device()).contiguous();
+  set_grad(existing.defined() ? existing.add_(g.to(existing.scalar_type())) : g);
+}
+
+void ShardedParam::zero_grad() {
+  param_.mutable_grad() = at::Tensor();
+  stashed_grad_ = at::Tensor();
+  unsharded_grad_ = at::Tensor();
+  main_grad_ = at::Tensor();
+}
+
+void ShardedParam::load_local(const at::Tensor& local_values) {
+  at::NoGradGuard no_grad;
+  local_.copy_(local_values);
+}
+
+}  // namespace fsdp::detail

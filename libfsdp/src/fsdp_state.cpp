@@ -1,0 +1,336 @@
+// UnitState hooks and the step context: what runs before and after a unit's
+// forward, when its outputs' gradients arrive, when its parameters' gradients
+// are ready, and once the whole backward is done.
+#include "fsdp_state.h"
+
+#include "fsdp/errors.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <algorithm>
+#include <mutex>
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+enum class Phase { Idle, Forward, Backward };
+
+// Process-wide: units, the current pass and the order units ran forward in.
+struct StepContext {
+  std::mutex mu;
+  std::vector<std::shared_ptr<UnitState>> units;
+  int64_t next_id = 0;
+  Phase phase = Phase::Idle;
+  std::vector<std::weak_ptr<UnitState>> forward_order;
+  bool callback_queued = false;
+};
+
+StepContext& ctx() {
+  static StepContext c;
+  return c;
+}
+
+std::shared_ptr<UnitState> unit_by_id(int64_t id) {
+  for (auto& u : ctx().units) {
+    if (u->id == id) return u;
+  }
+  throw StateError("fully_shard: unit " + std::to_string(id) + " no longer exists");
+}
+
+void finalize_backward();
+
+// Identity in forward; in backward, the unit's pre-backward runs before the
+// gradient flows into the unit.
+struct PreBackward : public torch::autograd::Function<PreBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* c, const at::Tensor& x,
+                            int64_t unit_id) {
+    c->saved_data["unit"] = unit_id;
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* c,
+                                                 torch::autograd::variable_list grads) {
+    unit_by_id(c->saved_data["unit"].toInt())->pre_backward();
+    return {grads[0], at::Tensor()};
+  }
+};
+
+void ensure_backward_callback() {
+  StepContext& c = ctx();
+  c.phase = Phase::Backward;
+  if (c.callback_queued) return;
+  c.callback_queued = true;
+  torch::autograd::Engine::get_default_engine().queue_callback(finalize_backward);
+}
+
+void finalize_backward() {
+  StepContext& c = ctx();
+  c.callback_queued = false;
+  std::vector<std::shared_ptr<UnitState>> participants;
+  for (auto& u : c.units) {
+    if (u->alive() && (u->pre_backward_done || u->grads_ready > 0)) participants.push_back(u);
+  }
+  // Units whose parameters did not all receive gradients still reduce what
+  // they got (missing gradients count as zeros), in a rank-independent order.
+  for (auto& u : participants) {
+    if (!u->post_backward_done) u->post_backward();
+  }
+  for (auto& u : participants) {
+    if (u->is_last_backward) u->group.finish_reduce();
+    u->pre_backward_done = false;
+    u->post_backward_done = false;
+    u->grads_ready = 0;
+  }
+  c.phase = Phase::Idle;
+}
+
+// Stands in for a sharded child of a torch::nn::Sequential.
+class SequentialEntryImpl : public torch::nn::Module {
+ public:
+  explicit SequentialEntryImpl(torch::nn::AnyModule inner) : inner_(std::move(inner)) {}
+  at::Tensor forward(at::Tensor x) {
+    std::shared_ptr<UnitState> unit;
+    if (!begin_forward(*inner_.ptr(), unit)) return inner_.forward(x);
+    at::Tensor y = finish_output(unit, inner_.forward(cast_input(unit, x)));
+    end_forward(unit);
+    return y;
+  }
+  const std::shared_ptr<torch::nn::Module> inner() const { return inner_.ptr(); }
+
+ private:
+  torch::nn::AnyModule inner_;
+};
+
+}  // namespace
+
+std::shared_ptr<UnitState> unit_for_module(const torch::nn::Module& module) {
+  for (auto& u : ctx().units) {
+    if (!u->alive()) continue;
+    for (const auto* m : u->module_ptrs) {
+      if (m == &module) return u;
+    }
+  }
+  return nullptr;
+}
+
+std::vector<std::shared_ptr<UnitState>> live_units() {
+  std::vector<std::shared_ptr<UnitState>> out;
+  for (auto& u : ctx().units) {
+    if (u->alive()) out.push_back(u);
+  }
+  return out;
+}
+
+void register_unit(const std::shared_ptr<UnitState>& unit) {
+  auto& units = ctx().units;
+  // Units whose modules are gone free their shards and communicators here.
+  units.erase(std::remove_if(units.begin(), units.end(),
+                             [](const std::shared_ptr<UnitState>& u) { return !u->alive(); }),
+              units.end());
+  units.push_back(unit);
+}
+
+bool is_managed(const at::Tensor& param) {
+  for (auto& u : ctx().units) {
+    if (!u->alive()) continue;
+    for (const auto& p : u->group.params()) {
+      if (p.param().unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return true;
+    }
+  }
+  return false;
+}
+
+int64_t next_unit_id() { return ctx().next_id++; }
+
+bool is_root(const UnitState& unit) {
+  for (auto& other : ctx().units) {
+    if (other.get() != &unit && other->alive() && other->contains(unit)) return false;
+  }
+  return true;
+}
+
+void intercept_sequential_children(torch::nn::Module& module) {
+  for (const auto& child : module.modules(/*include_self=*/true)) {
+    auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(child.get());
+    if (seq == nullptr) continue;
+    for (auto it = seq->begin(); it != seq->end(); ++it) {
+      auto inner = it->ptr();
+      if (std::dynamic_pointer_cast<SequentialEntryImpl>(inner)) continue;
+      if (!unit_for_module(*inner)) continue;
+      *it = torch::nn::AnyModule(std::make_shared<SequentialEntryImpl>(*it));
+    }
+  }
+}
+
+bool begin_forward(const torch::nn::Module& module, std::shared_ptr<UnitState>& unit) {
+  unit = unit_for_module(module);
+  if (!unit) return false;
+  unit->pre_forward();
+  return true;
+}
+
+at::Tensor cast_input(const std::shared_ptr<UnitState>& unit, const at::Tensor& t) {
+  return unit->cast_input(t);
+}
+
+at::Tensor finish_output(const std::shared_ptr<UnitState>& unit, const at::Tensor& t) {
+  return unit->finish_output(t);
+}
+
+void end_forward(const std::shared_ptr<UnitState>& unit) { unit->post_forward(); }
+
+}  // namespace detail
+
+UnitState::UnitState(int64_t id_, std::vector<std::shared_ptr<torch::nn::Module>> mods,
+                     DeviceMesh mesh_, detail::ParamGroup group_, const FullyShardOptions& options)
+    : id(id_),
+      mesh(std::move(mesh_)),
+      group(std::move(group_)),
+      mp(options.mp_policy),
+      reshard_after_forward(options.reshard_after_forward) {
+  for (auto& m : mods) {
+    modules.push_back(m);
+    module_ptrs.push_back(m.get());
+  }
+  for (const auto& p : group.params()) grads_expected += p.requires_grad() ? 1 : 0;
+}
+
+bool UnitState::alive() const {
+  return std::all_of(modules.begin(), modules.end(),
+                     [](const std::weak_ptr<torch::nn::Module>& m) { return !m.expired(); });
+}
+
+bool UnitState::contains(const UnitState& other) const {
+  for (const auto& weak : modules) {
+    auto m = weak.lock();
+    if (!m) continue;
+    for (const auto& d : m->modules(/*include_self=*/true)) {
+      for (const auto* target : other.module_ptrs) {
+        if (d.get() == target) return true;
+      }
+    }
+  }
+  return false;
+}
+
+std::vector<std::shared_ptr<UnitState>> UnitState::self_and_nested() {
+  std::vector<std::shared_ptr<UnitState>> out{shared_from_this()};
+  for (auto& u : detail::live_units()) {
+    if (u.get() != this && contains(*u)) out.push_back(u);
+  }
+  return out;
+}
+
+void UnitState::unshard(bool async_op) {
+  group.issue_unshard();
+  if (!async_op) wait_unshard();
+}
+
+void UnitState::wait_unshard() {
+  group.finish_unshard();
+  for (size_t i = 0; i < group.params().size(); ++i) {
+    std::weak_ptr<UnitState> self = weak_from_this();
+    group.params()[i].ensure_grad_hook([self, i] {
+      if (auto unit = self.lock()) unit->on_grad_ready(i);
+    });
+  }
+}
+
+void UnitState::reshard() { group.reshard(); }
+
+void UnitState::pre_forward() {
+  auto& c = detail::ctx();
+  const bool recompute = c.phase == detail::Phase::Backward;
+  if (!recompute && detail::is_root(*this)) {
+    const bool seen = std::any_of(c.forward_order.begin(), c.forward_order.end(),
+                                  [this](const std::weak_ptr<UnitState>& w) {
+                                    return w.lock().get() == this;
+                                  });
+    if (c.phase != detail::Phase::Forward || seen) {
+      // A new step: reductions left in flight by set_is_last_backward(false)
+      // land before the optimizer's values are gathered again.
+      for (auto& u : detail::live_units()) u->group.finish_reduce();
+      c.forward_order.clear();
+      c.phase = detail::Phase::Forward;
+    }
+  }
+  if (!recompute && forward_entries == 0) c.forward_order.push_back(weak_from_this());
+  ++forward_entries;
+  wait_unshard();
+  if (recompute) return;
+  for (auto& weak : forward_prefetch) {
+    if (auto u = weak.lock()) u->unshard(/*async_op=*/true);
+  }
+}
+
+at::Tensor UnitState::cast_input(const at::Tensor& t) const {
+  if (mp.cast_forward_inputs && mp.param_dtype && t.defined() && t.is_floating_point()) {
+    return t.to(*mp.param_dtype);
+  }
+  return t;
+}
+
+at::Tensor UnitState::finish_output(const at::Tensor& t) {
+  at::Tensor out = t;
+  if (mp.output_dtype && out.defined() && out.is_floating_point()) out = out.to(*mp.output_dtype);
+  if (out.defined() && out.requires_grad() && detail::ctx().phase != detail::Phase::Backward) {
+    out = detail::PreBackward::apply(out, id);
+  }
+  return out;
+}
+
+void UnitState::post_forward() {
+  // A unit over several modules reshards once all of them ran.
+  if (forward_entries % static_cast<int64_t>(modules.size()) != 0) return;
+  forward_entries = 0;
+  if (reshard_after_forward) reshard();
+}
+
+void UnitState::pre_backward() {
+  detail::ensure_backward_callback();
+  if (pre_backward_done) return;
+  pre_backward_done = true;
+  wait_unshard();
+  if (explicit_backward_prefetch) {
+    for (auto& weak : backward_prefetch) {
+      if (auto u = weak.lock()) u->unshard(/*async_op=*/true);
+    }
+    return;
+  }
+  // Implicit prefetch: the unit that ran forward just before this one runs
+  // backward next.
+  auto& order = detail::ctx().forward_order;
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (order[i].lock().get() == this) {
+      if (auto prev = order[i - 1].lock()) prev->unshard(/*async_op=*/true);
+      break;
+    }
+  }
+}
+
+void UnitState::on_grad_ready(size_t index) {
+  detail::ensure_backward_callback();
+  group.params()[index].take_unsharded_grad();
+  if (++grads_ready == grads_expected) post_backward();
+}
+
+void UnitState::post_backward() {
+  post_backward_done = true;
+  if (requires_gradient_sync) group.issue_reduce(reduce_settings());
+  if (reshard_after_backward) reshard();
+}
+
+detail::ReduceSettings UnitState::reduce_settings() const {
+  detail::ReduceSettings s;
+  s.average = average;
+  s.scaling_factor = scaling_factor;
+  s.all_reduce = requires_all_reduce;
+  s.fp32_main_grad = mp.apply_grad_on_fp32_main_grad;
+  return s;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,226 @@
+// ParamGroup: the collectives of one unit.
+#include "param_group.h"
+
+#include "torch_compat.h"
+
+#include <ATen/ATen.h>
+
+namespace fsdp::detail {
+
+ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_group,
+                       ProcessGroupPtr replicate_group, bool fused)
+    : params_(std::move(params)),
+      shard_group_(std::move(shard_group)),
+      replicate_group_(std::move(replicate_group)),
+      fused_(fused) {
+  for (const auto& p : params_) {
+    fused_offsets_.push_back(fused_block_numel_);
+    if (p.is_sharded_placement()) fused_block_numel_ += p.padded_block_numel();
+  }
+  partial_sums_.resize(params_.size());
+}
+
+void ParamGroup::issue_unshard() {
+  if (unsharded_ || gather_issued_) return;
+  gather_issued_ = true;
+  const int64_t ws = shard_group_->size();
+  if (fused_ && fused_block_numel_ > 0) {
+    at::Tensor input;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& p = params_[i];
+      if (!p.is_sharded_placement()) continue;
+      at::Tensor in = p.all_gather_input();
+      if (!input.defined()) input = at::empty({fused_block_numel_}, in.options());
+      input.narrow(0, fused_offsets_[i], p.padded_block_numel()).copy_(in);
+    }
+    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) * input.element_size();
+    if (!fused_gather_out_.defined()) {
+      fused_gather_out_ = at::empty({fused_block_numel_ * ws}, input.options());
+    } else {
+      compat::restore_storage(fused_gather_out_, nbytes);
+    }
+    if (ws == 1) {
+      fused_gather_out_.copy_(input);
+    } else {
+      gather_works_.push_back(
+          shard_group_->all_gather_into_tensor(fused_gather_out_, input, /*async_op=*/true));
+    }
+    return;
+  }
+  for (auto& p : params_) {
+    if (!p.is_sharded_placement()) continue;
+    at::Tensor out = p.all_gather_output();
+    at::Tensor in = p.all_gather_input();
+    if (ws == 1) {
+      out.copy_(in);
+    } else {
+      gather_works_.push_back(shard_group_->all_gather_into_tensor(out, in, /*async_op=*/true));
+    }
+  }
+}
+
+void ParamGroup::finish_unshard() {
+  if (unsharded_) return;
+  issue_unshard();
+  for (auto& w : gather_works_) w->wait();
+  gather_works_.clear();
+  gather_issued_ = false;
+  if (fused_ && fused_block_numel_ > 0) {
+    const int64_t ws = shard_group_->size();
+    const at::Tensor gathered = fused_gather_out_.view({ws, fused_block_numel_});
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& p = params_[i];
+      if (!p.is_sharded_placement()) continue;
+      p.all_gather_output()
+          .view({ws, p.padded_block_numel()})
+          .copy_(gathered.narrow(1, fused_offsets_[i], p.padded_block_numel()));
+    }
+    compat::release_storage(fused_gather_out_);
+  }
+  for (auto& p : params_) p.to_unsharded();
+  unsharded_ = true;
+}
+
+void ParamGroup::reshard() {
+  // Buffers under an in-flight all-gather must not be freed.
+  for (auto& w : gather_works_) w->wait();
+  gather_works_.clear();
+  if (gather_issued_ && fused_ && fused_gather_out_.defined()) {
+    compat::release_storage(fused_gather_out_);
+  }
+  gather_issued_ = false;
+  for (auto& p : params_) p.to_sharded();
+  unsharded_ = false;
+}
+
+void ParamGroup::issue_reduce(const ReduceSettings& settings) {
+  if (reduce_pending_) finish_reduce();
+  reduce_params_.clear();
+  reduce_outputs_.clear();
+  fused_reduce_out_ = at::Tensor();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].requires_grad()) reduce_params_.push_back(i);
+  }
+  if (reduce_params_.empty()) return;
+  reduce_settings_ = settings;
+  reduce_pending_ = true;
+  const int64_t ws = shard_group_->size();
+
+  // Sharded parameters: reduce-scatter; replicated ones: all-reduce.
+  std::vector<size_t> sharded;
+  for (size_t i : reduce_params_) {
+    auto& p = params_[i];
+    if (p.is_sharded_placement()) {
+      sharded.push_back(i);
+      continue;
+    }
+    at::Tensor g = p.reduce_scatter_input().clone();
+    if (ws > 1) reduce_works_.push_back(shard_group_->all_reduce(g, ReduceOp::SUM, true));
+    reduce_outputs_.push_back(g);
+  }
+  if (fused_ && !sharded.empty()) {
+    int64_t total = 0;
+    for (size_t i : sharded) total += params_[i].padded_block_numel();
+    at::Tensor input;
+    int64_t offset = 0;
+    for (size_t i : sharded) {
+      auto& p = params_[i];
+      at::Tensor in = p.reduce_scatter_input().view({ws, p.padded_block_numel()});
+      if (!input.defined()) input = at::empty({ws, total}, in.options());
+      input.narrow(1, offset, p.padded_block_numel()).copy_(in);
+      offset += p.padded_block_numel();
+    }
+    at::Tensor out = at::empty({total}, input.options());
+    fused_reduce_out_ = out;
+    if (ws == 1) {
+      out.copy_(input.view({-1}));
+    } else {
+      reduce_works_.push_back(
+          shard_group_->reduce_scatter_tensor(out, input.view({-1}), ReduceOp::SUM, true));
+    }
+    offset = 0;
+    for (size_t i : sharded) {
+      reduce_outputs_.push_back(out.narrow(0, offset, params_[i].padded_block_numel()));
+      offset += params_[i].padded_block_numel();
+    }
+  } else {
+    for (size_t i : sharded) {
+      auto& p = params_[i];
+      at::Tensor in = p.reduce_scatter_input();
+      at::Tensor out = at::empty({p.padded_block_numel()}, in.options());
+      if (ws == 1) {
+        out.copy_(in);
+      } else {
+        reduce_works_.push_back(shard_group_->reduce_scatter_tensor(out, in, ReduceOp::SUM, true));
+      }
+      reduce_outputs_.push_back(out);
+    }
+  }
+  // reduce_outputs_ follows reduce_params_ order: replicated first, then sharded.
+  std::vector<size_t> order;
+  for (size_t i : reduce_params_) {
+    if (!params_[i].is_sharded_placement()) order.push_back(i);
+  }
+  order.insert(order.end(), sharded.begin(), sharded.end());
+  reduce_params_ = std::move(order);
+  for (size_t i : reduce_params_) params_[i].clear_unsharded_grad();
+}
+
+void ParamGroup::finish_reduce() {
+  if (!reduce_pending_) return;
+  reduce_pending_ = false;
+  for (auto& w : reduce_works_) w->wait();
+  reduce_works_.clear();
+
+  const ReduceSettings& s = reduce_settings_;
+  const double shard_size = static_cast<double>(shard_group_->size());
+  const bool hsdp = replicate_group_ && replicate_group_->size() > 1;
+  const double replicate_size = hsdp ? static_cast<double>(replicate_group_->size()) : 1.0;
+  const double extra = s.scaling_factor.value_or(1.0);
+  const double shard_scale = (s.average ? 1.0 / shard_size : 1.0) * extra;
+  const double full_scale = (s.average ? 1.0 / (shard_size * replicate_size) : 1.0) * extra;
+
+  if (hsdp && !s.all_reduce) {
+    // Replicas keep their own shard-group result for now; the sum is kept so
+    // that the next all-reduce can replace it with the global result.
+    for (size_t k = 0; k < reduce_params_.size(); ++k) {
+      const size_t i = reduce_params_[k];
+      at::Tensor& partial = partial_sums_[i];
+      partial = partial.defined() ? partial.add_(reduce_outputs_[k]) : reduce_outputs_[k].clone();
+      params_[i].add_reduced_grad(reduce_outputs_[k] * shard_scale, s.fp32_main_grad);
+    }
+    reduce_outputs_.clear();
+    fused_reduce_out_ = at::Tensor();
+    return;
+  }
+  if (hsdp) {
+    // Fused outputs are views of one buffer: one all-reduce covers them.
+    std::vector<WorkPtr> works;
+    if (fused_reduce_out_.defined()) {
+      works.push_back(replicate_group_->all_reduce(fused_reduce_out_, ReduceOp::SUM, true));
+    }
+    for (size_t k = 0; k < reduce_params_.size(); ++k) {
+      const bool in_fused = fused_reduce_out_.defined() && params_[reduce_params_[k]].is_sharded_placement();
+      if (!in_fused) works.push_back(replicate_group_->all_reduce(reduce_outputs_[k], ReduceOp::SUM, true));
+    }
+    for (auto& w : works) w->wait();
+  }
+  for (size_t k = 0; k < reduce_params_.size(); ++k) {
+    const size_t i = reduce_params_[k];
+    at::Tensor g = reduce_outputs_[k] * full_scale;
+    at::Tensor& partial = partial_sums_[i];
+    if (partial.defined()) {
+      // Earlier steps skipped the all-reduce and installed their shard-group
+      // means; swap those for the global reduction of their sum.
+      at::Tensor global = partial.contiguous();
+      replicate_group_->all_reduce(global, ReduceOp::SUM);
+      g = g + global * full_scale - partial * shard_scale;
+      partial = at::Tensor();
+    }
+    params_[i].add_reduced_grad(g, s.fp32_main_grad);
+  }
+  reduce_outputs_.clear();
+  fused_reduce_out_ = at::Tensor();
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,72 @@
+// Small deterministic models and data for the L1/L2 suites, and the
+// single-card reference: the same model unsharded on the whole global batch.
+#pragma once
+
+#include <fsdp/fully_shard.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/module.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace toy {
+
+// Uneven on purpose: fc1 has 7 rows (ceil-div shards), fc2 has 3 rows (fewer
+// than 4 ranks: a rank owns none), fc3 is 5 x 3.
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int64_t seed);
+  at::Tensor forward(at::Tensor x);
+  fsdp::Sharded<torch::nn::Linear> fc1{nullptr}, fc2{nullptr};
+  torch::nn::Linear fc3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+inline MlpImpl::MlpImpl(int64_t seed) {
+  at::manual_seed(seed);
+  fc1 = register_module("fc1", torch::nn::Linear(15, 7));
+  fc2 = register_module("fc2", torch::nn::Linear(7, 3));
+  fc3 = register_module("fc3", torch::nn::Linear(3, 5));
+}
+
+inline at::Tensor MlpImpl::forward(at::Tensor x) {
+  x = at::tanh(fc1(x));
+  x = at::tanh(fc2(x));
+  return fc3(x);
+}
+
+// Global batch (identical on every rank) and this rank's slice of it.
+struct Batch {
+  at::Tensor x, y;
+};
+
+inline Batch global_batch(int64_t seed, int64_t rows, int64_t in = 15, int64_t out = 5) {
+  at::manual_seed(seed);
+  return {at::randn({rows, in}), at::randn({rows, out})};
+}
+
+inline Batch slice(const Batch& b, int rank, int parts) {
+  const int64_t per = b.x.size(0) / parts;
+  return {b.x.narrow(0, rank * per, per), b.y.narrow(0, rank * per, per)};
+}
+
+inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
+  return (out - y).pow(2).mean();
+}
+
+// Rows [offset, offset + len) of the ceil-div shard `index` of `full` on dim 0.
+inline at::Tensor shard_rows(const at::Tensor& full, int64_t parts, int64_t index) {
+  const fsdp::ShardExtent e = fsdp::shard_extent(full.size(0), parts, index);
+  return full.narrow(0, e.offset, e.length);
+}
+
+// Max |a - b| (0 for two empty tensors).
+inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 && b.numel() == 0) return 0.0;
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+}  // namespace toy
