@@ -302,11 +302,13 @@ void UnitState::pre_backward() {
     return;
   }
   // Implicit prefetch: the unit that ran forward just before this one runs
-  // backward next.
+  // backward next -- unless it already began its backward (an enclosing
+  // unit, such as the root, whose outputs' gradients arrived first).
   auto& order = detail::ctx().forward_order;
   for (size_t i = 1; i < order.size(); ++i) {
     if (order[i].lock().get() == this) {
-      if (auto prev = order[i - 1].lock()) prev->unshard(/*async_op=*/true);
+      auto prev = order[i - 1].lock();
+      if (prev && !prev->pre_backward_done) prev->unshard(/*async_op=*/true);
       break;
     }
   }
