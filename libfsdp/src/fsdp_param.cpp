@@ -189,15 +189,17 @@ void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main
   } else {
     g = reduced.view(full_shape_);
   }
+  // Gradients must own their memory: g is a view of the reduction output,
+  // and optimizers detach_() gradients in place, which views refuse.
   if (to_fp32_main_grad) {
     at::Tensor g32 = g.to(padded_.device(), at::kFloat);
-    main_grad_ = main_grad_.defined() ? main_grad_.add_(g32) : g32.contiguous();
+    main_grad_ = main_grad_.defined() ? main_grad_.add_(g32) : g32.clone();
     set_grad(main_grad_);
     return;
   }
   at::Tensor existing = current_sharded_grad();
-  g = g.to(padded_.device()).contiguous();
-  set_grad(existing.defined() ? existing.add_(g.to(existing.scalar_type())) : g);
+  set_grad(existing.defined() ? existing.add_(g.to(existing.device(), existing.scalar_type()))
+                              : g.to(padded_.device()).clone());
 }
 
 void ShardedParam::zero_grad() {

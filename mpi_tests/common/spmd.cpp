@@ -219,7 +219,8 @@ int main(int argc, char** argv) {
     const char* junit_dir = std::getenv("FSDP_JUNIT_DIR");
     std::string logger = "--logger=HRF,test_suite,stdout";
     if (junit_dir != nullptr && *junit_dir != '\0') {
-      logger += ":JUNIT,all," + std::string(junit_dir) + "/" + exe + ".xml";
+      logger += ":JUNIT,warning," + std::string(junit_dir) + "/" + exe + "_np" +
+                std::to_string(spmd::world_size()) + ".xml";
     }
     args.push_back(logger);
     args.push_back("--color_output=no");

@@ -9,7 +9,7 @@
 //  - logs on rank 0 only; other ranks print their log only when they fail;
 //  - arms a per-case watchdog (60 s, or $FSDP_TEST_TIMEOUT seconds) that
 //    prints the case, the rank and the pending collectives, then MPI_Aborts;
-//  - writes a JUnit report from rank 0 to $FSDP_JUNIT_DIR/<executable>.xml
+//  - writes a JUnit report from rank 0 to $FSDP_JUNIT_DIR/<executable>_np<N>.xml
 //    when FSDP_JUNIT_DIR is set.
 #pragma once
 
