@@ -80,6 +80,22 @@ Placement placement_for(const std::string& name, const at::Tensor& param,
   return Placement::Shard(d);
 }
 
+// A module's parameters for its unit: the subtrees of modules that are
+// already units (and whatever they ignored) belong to those units.
+std::vector<std::pair<std::string, at::Tensor>> unit_parameters(const torch::nn::Module& module,
+                                                                const std::string& prefix) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& child : module.named_children()) {
+    if (detail::unit_for_module(*child.value())) continue;
+    auto nested = unit_parameters(*child.value(), prefix + child.key() + ".");
+    out.insert(out.end(), nested.begin(), nested.end());
+  }
+  return out;
+}
+
 std::vector<Placement> dtensor_placements(const UnitState& unit, const Placement& p) {
   std::vector<Placement> out;
   if (unit.mesh.ndim() == 2) out.push_back(Placement::Replicate());
@@ -125,16 +141,22 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
   const bool offload = options.offload_policy.has_value();
   const bool pin = offload && options.offload_policy->pin_memory;
 
-  std::vector<detail::ShardedParam> params;
+  // Pass 1: choose and validate every placement before touching any
+  // parameter, so a rejected call leaves the module exactly as it was.
+  struct Planned {
+    std::string name;
+    at::Tensor param;
+    Placement placement;
+    detail::UnitDtypes dtypes;
+  };
+  std::vector<Planned> planned;
   std::unordered_set<const c10::TensorImpl*> taken;
   std::optional<c10::ScalarType> fused_dtype;
   for (size_t mi = 0; mi < modules.size(); ++mi) {
     const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
-    for (const auto& item : modules[mi]->named_parameters(/*recurse=*/true)) {
-      const at::Tensor& param = item.value();
+    for (auto& [name, param] : unit_parameters(*modules[mi], prefix)) {
       if (!taken.insert(param.unsafeGetTensorImpl()).second) continue;  // tied weights
       if (detail::is_managed(param) || contains_tensor(options.ignored_params, param)) continue;
-      const std::string name = prefix + item.key();
       const Placement placement = placement_for(name, param, options, shard_group->size());
       detail::UnitDtypes dtypes;
       if (param.is_floating_point()) {
@@ -151,9 +173,14 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
         }
         fused_dtype = compute_dtype;
       }
-      params.emplace_back(name, param, placement, shard_group->size(), shard_group->rank(),
-                          dtypes, param.device(), offload, pin);
+      planned.push_back({name, param, placement, dtypes});
     }
+  }
+  // Pass 2: shard.
+  std::vector<detail::ShardedParam> params;
+  for (auto& p : planned) {
+    params.emplace_back(p.name, p.param, p.placement, shard_group->size(), shard_group->rank(),
+                        p.dtypes, p.param.device(), offload, pin);
   }
   if (params.empty()) {
     throw ArgumentError("module", "fully_shard: 'module' has no parameters to manage (all are "

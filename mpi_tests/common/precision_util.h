@@ -1,0 +1,336 @@
+// Helpers for the precision / placement suites (test_fully_shard_precision,
+// test_hsdp_param): probe modules that record the dtypes their forward sees,
+// a sharded toy model with handles to every unit, per-parameter views of a
+// single-card reference that match a DTensor's placements, the single-card
+// reference runs themselves, and reporting of worst errors (max over ranks)
+// on rank 0.
+//
+// Baselines here are always single-card runs of an unsharded copy (same
+// seed) -- never another FSDP run (test plan rule 1).
+#pragma once
+
+#include "spmd.h"
+#include "toy_models.h"
+
+#include <fsdp/comm.h>
+#include <fsdp/dtensor.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/mesh.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cmath>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace prec {
+
+// ---------------------------------------------------------------------------
+// Probe modules
+
+// y = x W^T + b, recording the dtype of its input and of its weight at every
+// forward (so a test sees the compute dtype of the unsharded parameter and
+// whether forward inputs were cast). With cast_input the layer casts its
+// input to the weight dtype itself -- what a model must do when fully_shard
+// is told not to cast forward inputs.
+struct ProbeLinearImpl : torch::nn::Module {
+  ProbeLinearImpl(int64_t in, int64_t out, bool cast_input) : cast_input_(cast_input) {
+    torch::nn::Linear init(in, out);  // LibTorch's Linear initialisation
+    weight = register_parameter("weight", init->weight.detach().clone());
+    bias = register_parameter("bias", init->bias.detach().clone());
+  }
+  at::Tensor forward(at::Tensor x) {
+    seen_input = x.scalar_type();
+    seen_weight = weight.scalar_type();
+    ++calls;
+    if (cast_input_) x = x.to(weight.scalar_type());
+    return at::linear(x, weight, bias);
+  }
+  at::Tensor weight, bias;
+  bool cast_input_;
+  c10::ScalarType seen_input = c10::ScalarType::Undefined;
+  c10::ScalarType seen_weight = c10::ScalarType::Undefined;
+  int64_t calls = 0;
+};
+TORCH_MODULE(ProbeLinear);
+
+// toy::Mlp's shapes (15 -> 7 -> 3 -> 5, uneven shards) built from probes;
+// the root's forward records its own input dtype too.
+struct PMlpImpl : torch::nn::Module {
+  PMlpImpl(int64_t seed, bool cast_input) {
+    at::manual_seed(seed);
+    fc1 = register_module("fc1", ProbeLinear(15, 7, cast_input));
+    fc2 = register_module("fc2", ProbeLinear(7, 3, cast_input));
+    fc3 = register_module("fc3", ProbeLinear(3, 5, cast_input));
+  }
+  at::Tensor forward(at::Tensor x) {
+    seen_input = x.scalar_type();
+    x = at::tanh(fc1(x));
+    x = at::tanh(fc2(x));
+    return fc3(x);
+  }
+  fsdp::Sharded<ProbeLinear> fc1{nullptr}, fc2{nullptr};
+  ProbeLinear fc3{nullptr};
+  c10::ScalarType seen_input = c10::ScalarType::Undefined;
+};
+TORCH_MODULE(PMlp);
+
+// ---------------------------------------------------------------------------
+// A toy model sharded bottom-up: fc1, fc2, then the root (which manages fc3).
+
+struct Unit {
+  std::string prefix;  // prepended to the unit's names to get root-relative names
+  fsdp::FSDPModule fsdp;
+};
+
+template <typename M>
+struct ShardedModel {
+  M model{nullptr};
+  fsdp::FSDPModule fc1, fc2, root;
+  fsdp::Sharded<M> net;
+  std::vector<Unit> units() const { return {{"fc1.", fc1}, {"fc2.", fc2}, {"", root}}; }
+};
+
+template <typename M>
+ShardedModel<M> shard_model(M model, const fsdp::FullyShardOptions& nested,
+                            const fsdp::FullyShardOptions& root) {
+  model->to(spmd::device());
+  ShardedModel<M> s;
+  s.model = model;
+  s.fc1 = fsdp::fully_shard(model->fc1, nested);
+  s.fc2 = fsdp::fully_shard(model->fc2, nested);
+  s.root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()), root);
+  s.net = fsdp::Sharded<M>(model);
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Parameters and their placements
+
+inline at::Tensor param_named(torch::nn::Module& m, const std::string& name) {
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    if (item.key() == name) return item.value();
+  }
+  return at::Tensor();
+}
+
+inline std::map<std::string, at::Tensor> named_params(torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) out[item.key()] = item.value();
+  return out;
+}
+
+// One managed parameter: the Variable the module holds and its DTensor view.
+struct Managed {
+  std::string name;  // root-relative
+  at::Tensor param;
+  fsdp::DTensor dt;
+};
+
+inline std::vector<Managed> managed(const std::vector<Unit>& units) {
+  std::vector<Managed> out;
+  for (const auto& u : units) {
+    auto module = u.fsdp.module();
+    for (auto& [name, dt] : u.fsdp.sharded_parameters()) {
+      out.push_back({u.prefix + name, param_named(*module, name), dt});
+    }
+  }
+  return out;
+}
+
+// This rank's piece of `full` under `like`'s mesh and placements (mesh dims
+// applied left to right, ceil-div layout).
+inline at::Tensor local_part(const at::Tensor& full, const fsdp::DTensor& like) {
+  at::Tensor t = full;
+  const fsdp::DeviceMesh& mesh = like.device_mesh();
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    const fsdp::Placement& p = like.placements()[static_cast<size_t>(i)];
+    if (!p.is_shard()) continue;
+    const fsdp::ShardExtent e =
+        fsdp::shard_extent(t.size(p.dim()), mesh.size(i), mesh.get_local_rank(i));
+    t = t.narrow(p.dim(), e.offset, e.length);
+  }
+  return t;
+}
+
+// The global tensor of a local piece laid out like `like` (collective over
+// like's mesh; every rank must call it in the same order).
+inline at::Tensor full_of(const at::Tensor& local, const fsdp::DTensor& like) {
+  return fsdp::DTensor::from_local(local.contiguous(), like.device_mesh(), like.placements(),
+                                   like.shape())
+      .full_tensor();
+}
+
+// The gradient of a managed parameter, or zeros of its local shape when it
+// has none (the caller asserts definedness; zeros keep collectives aligned).
+inline at::Tensor grad_or_zeros(const Managed& m) {
+  const at::Tensor g = m.param.grad();
+  return g.defined() ? g : at::zeros_like(m.param);
+}
+
+// ---------------------------------------------------------------------------
+// Reductions over ranks (test-side, on CPU tensors through the world group)
+
+inline double world_reduce(double v, fsdp::ReduceOp op) {
+  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble));
+  fsdp::world_group()->all_reduce(t, op);
+  return t.item<double>();
+}
+inline double max_over_ranks(double v) { return world_reduce(v, fsdp::ReduceOp::MAX); }
+inline double mean_over_ranks(double v) { return world_reduce(v, fsdp::ReduceOp::AVG); }
+
+// Max |a - b| after bringing both to CPU double (0 for two empty tensors).
+inline double diff(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 && b.numel() == 0) return 0.0;
+  return toy::max_abs_diff(a.detach().cpu(), b.detach().cpu());
+}
+
+inline double sq_norm(const at::Tensor& t) {
+  return t.detach().to(at::kDouble).pow(2).sum().item<double>();
+}
+
+// Prints one observed worst error on rank 0 and into the Boost log.
+inline void report(const std::string& id, const std::string& what, double observed, double tol) {
+  std::ostringstream os;
+  os << "[" << id << "] " << what << ": worst " << std::scientific << std::setprecision(3)
+     << observed;
+  if (tol > 0) os << " (tol " << tol << ")";
+  BOOST_TEST_MESSAGE(os.str());
+  if (spmd::rank() == 0) std::cout << os.str() << std::endl;
+}
+
+inline void note(const std::string& text) {
+  BOOST_TEST_MESSAGE(text);
+  if (spmd::rank() == 0) std::cout << text << std::endl;
+}
+
+// The dtype the plan's "fp16" cases compute in: fp16 on CUDA; bf16 on CPU,
+// where LibTorch 1.13 has no fp16 GEMM (DESIGN.md section 3). Prints the
+// substitution.
+inline c10::ScalarType plan_fp16(const std::string& id) {
+  if (spmd::device().is_cuda()) return at::kHalf;
+  note("[" + id + "] fp16 -> bf16 on CPU (no fp16 GEMM in LibTorch 1.13 CPU)");
+  return at::kBFloat16;
+}
+
+// ---------------------------------------------------------------------------
+// fp32 parity against the single-card reference over several SGD steps.
+
+struct ParityOptions {
+  std::string id;
+  int steps = 2;
+  int64_t rows = 8;  // global batch rows (divisible by the world size)
+  double lr = 0.1;
+  double tol = 1e-5;
+};
+
+struct StepRecord {
+  double local_loss = 0, global_loss = 0, ref_loss = 0;
+  fsdp::CollectiveCounters fwd, bwd;       // issued during forward / backward
+  std::map<std::string, at::Tensor> grads;  // local sharded grads (clones, CPU)
+};
+
+struct ParityResult {
+  std::vector<StepRecord> steps;
+  double worst_loss = 0, worst_grad = 0, worst_param = 0;  // max over ranks and steps
+};
+
+// Runs `s` (already sharded, data parallel over every world rank) and an
+// unsharded toy::Mlp(seed) on the global batch for opt.steps SGD steps;
+// checks loss, every managed gradient and, after the steps, every parameter
+// against the reference at opt.tol. `inspect` runs after each backward.
+inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const ParityOptions& opt,
+                                const std::function<void(int step)>& inspect = {}) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  const c10::Device dev = spmd::device();
+  toy::Mlp ref(seed);
+  ref->to(dev);
+  ParityResult r;
+  for (int step = 0; step < opt.steps; ++step) {
+    toy::Batch batch = toy::global_batch(100 + step, opt.rows);
+    batch.x = batch.x.to(dev);
+    batch.y = batch.y.to(dev);
+    const toy::Batch mine = toy::slice(batch, rank, ws);
+    StepRecord rec;
+
+    fsdp::reset_collective_counters();
+    at::Tensor loss = toy::mse(s.net(mine.x), mine.y);
+    rec.fwd = fsdp::collective_counters();
+    fsdp::reset_collective_counters();
+    loss.backward();
+    rec.bwd = fsdp::collective_counters();
+    if (inspect) inspect(step);
+
+    at::Tensor ref_loss = toy::mse(ref(batch.x), batch.y);
+    ref_loss.backward();
+    auto ref_params = named_params(*ref);
+
+    rec.local_loss = loss.item<double>();
+    rec.global_loss = mean_over_ranks(rec.local_loss);
+    rec.ref_loss = ref_loss.item<double>();
+    const double loss_err = std::abs(rec.global_loss - rec.ref_loss);
+    BOOST_TEST(loss_err < opt.tol, "[" << opt.id << "] step " << step << " loss "
+                                       << rec.global_loss << " vs single card " << rec.ref_loss);
+    r.worst_loss = std::max(r.worst_loss, loss_err);
+
+    double grad_err = 0;
+    for (const auto& m : managed(s.units())) {
+      const at::Tensor g = m.param.grad();
+      BOOST_TEST(g.defined(), "[" << opt.id << "] " << m.name << " has no gradient");
+      if (!g.defined()) continue;
+      BOOST_TEST((g.sizes() == m.param.sizes()), "[" << opt.id << "] " << m.name << " grad shape "
+                                                     << g.sizes() << " vs param "
+                                                     << m.param.sizes());
+      const at::Tensor want = local_part(ref_params.at(m.name).grad(), m.dt);
+      const double e = diff(g, want);
+      BOOST_TEST(e < opt.tol, "[" << opt.id << "] step " << step << " " << m.name
+                                  << " grad vs single card: " << e);
+      grad_err = std::max(grad_err, e);
+      rec.grads[m.name] = g.detach().cpu().clone();
+    }
+    r.worst_grad = std::max(r.worst_grad, grad_err);
+
+    // SGD on the shards (FSDP) and on the full tensors (reference).
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : s.model->parameters()) {
+        if (p.grad().defined()) p.sub_(p.grad() * opt.lr);
+      }
+      for (auto& p : ref->parameters()) p.sub_(p.grad() * opt.lr);
+    }
+    s.root.zero_grad();
+    for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+    r.steps.push_back(std::move(rec));
+  }
+  auto ref_params = named_params(*ref);
+  for (const auto& m : managed(s.units())) {
+    const double e = diff(m.param, local_part(ref_params.at(m.name), m.dt));
+    BOOST_TEST(e < opt.tol, "[" << opt.id << "] " << m.name << " after " << opt.steps
+                                << " SGD steps vs single card: " << e);
+    r.worst_param = std::max(r.worst_param, e);
+  }
+  r.worst_loss = max_over_ranks(r.worst_loss);
+  r.worst_grad = max_over_ranks(r.worst_grad);
+  r.worst_param = max_over_ranks(r.worst_param);
+  report(opt.id, "loss vs single card", r.worst_loss, opt.tol);
+  report(opt.id, "grad vs single card", r.worst_grad, opt.tol);
+  report(opt.id, "params after SGD vs single card", r.worst_param, opt.tol);
+  return r;
+}
+
+inline int64_t managed_count(const std::vector<Unit>& units) {
+  int64_t n = 0;
+  for (const auto& u : units) n += static_cast<int64_t>(u.fsdp.sharded_parameters().size());
+  return n;
+}
+
+}  // namespace prec

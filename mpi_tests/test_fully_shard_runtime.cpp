@@ -1,0 +1,74 @@
+// L1: runtime properties of fully_shard that the plan's rows assume --
+// gradients equal the single-card ones, steady-state steps reuse the
+// unsharded buffers, and one rank issues no collectives at all.
+#include "spmd.h"
+#include "toy_models.h"
+
+#include <fsdp/fully_shard.h>
+#include <fsdp/mesh.h>
+
+#include <torch/optim/sgd.h>
+
+namespace {
+
+struct Sharded {
+  toy::Mlp model{1};
+  fsdp::Sharded<toy::Mlp> root{nullptr};
+  Sharded() {
+    fsdp::fully_shard(model->fc1);
+    fsdp::fully_shard(model->fc2);
+    root = fsdp::fully_shard(model);
+  }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(grads_match_single_card) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  toy::Mlp ref(1);
+  Sharded s;
+  const auto batch = toy::global_batch(7, 8);
+  const auto mine = toy::slice(batch, rank, ws);
+  toy::mse(s.root(mine.x), mine.y).backward();
+  toy::mse(ref(batch.x), batch.y).backward();
+  const std::vector<std::pair<at::Tensor, at::Tensor>> pairs = {
+      {s.model->fc1->weight, ref->fc1->weight}, {s.model->fc1->bias, ref->fc1->bias},
+      {s.model->fc2->weight, ref->fc2->weight}, {s.model->fc3->weight, ref->fc3->weight}};
+  for (const auto& [mine_p, ref_p] : pairs) {
+    BOOST_TEST(mine_p.size(0) == fsdp::shard_extent(ref_p.size(0), ws, rank).length);
+    BOOST_TEST_REQUIRE(mine_p.grad().defined());
+    BOOST_TEST(toy::max_abs_diff(mine_p.grad(), toy::shard_rows(ref_p.grad(), ws, rank)) < 1e-6);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {
+  Sharded s;
+  const auto batch = toy::slice(toy::global_batch(3, 8), spmd::rank(), spmd::world_size());
+  torch::optim::SGD opt(s.model->parameters(), torch::optim::SGDOptions(0.1));
+  auto fsdp_fc1 = *fsdp::fsdp_module_of(*s.model->fc1.ptr());
+  std::vector<const void*> storages;
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    toy::mse(s.root(batch.x), batch.y).backward();
+    opt.step();
+    // Unshard by hand to look at the buffer the module computes with.
+    fsdp_fc1.unshard();
+    storages.push_back(s.model->fc1->weight.storage().unsafeGetStorageImpl());
+    fsdp_fc1.reshard();
+  }
+  // The same StorageImpl every step: freed and regrown in place, never replaced.
+  BOOST_TEST(storages[0] == storages[1]);
+  BOOST_TEST(storages[1] == storages[2]);
+}
+
+BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives) {
+  if (spmd::world_size() != 1) SPMD_SKIP("runs only on one rank (registered at np 1)");
+  toy::Mlp ref(1);
+  Sharded s;
+  const auto batch = toy::global_batch(7, 8);
+  fsdp::reset_collective_counters();
+  toy::mse(s.root(batch.x), batch.y).backward();
+  BOOST_TEST(fsdp::collective_counters().sequence.empty());
+  toy::mse(ref(batch.x), batch.y).backward();
+  BOOST_TEST(toy::max_abs_diff(s.model->fc1->weight.grad(), ref->fc1->weight.grad()) == 0.0);
+}
