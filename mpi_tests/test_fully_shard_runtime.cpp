@@ -4,6 +4,7 @@
 #include "spmd.h"
 #include "toy_models.h"
 
+#include <fsdp/errors.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
 
@@ -71,4 +72,60 @@ BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives) {
   BOOST_TEST(fsdp::collective_counters().sequence.empty());
   toy::mse(ref(batch.x), batch.y).backward();
   BOOST_TEST(toy::max_abs_diff(s.model->fc1->weight.grad(), ref->fc1->weight.grad()) == 0.0);
+}
+
+namespace {
+
+// Embedding tied to the output layer, as in a language model.
+struct TiedLmImpl : torch::nn::Module {
+  TiedLmImpl() {
+    at::manual_seed(5);
+    embed = register_parameter("embed", at::randn({9, 4}) * 0.1);
+    mid = register_module("mid", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor h = at::tanh(mid(embed.index_select(0, tokens)));
+    return at::matmul(h, embed.t());  // logits over the 9 "tokens"
+  }
+  at::Tensor embed;
+  fsdp::Sharded<torch::nn::Linear> mid{nullptr};
+};
+TORCH_MODULE(TiedLm);
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(tied_weights_live_in_one_unit) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  TiedLm ref, model;
+  fsdp::fully_shard(model->mid);
+  auto root = fsdp::fully_shard(model);
+  const auto tokens = at::arange(8, at::kLong) % 9;
+  const auto targets = (at::arange(8, at::kLong) * 5 + 1) % 9;
+  const int64_t per = 8 / ws;
+  const auto my_tokens = tokens.narrow(0, rank * per, per);
+  const auto my_targets = targets.narrow(0, rank * per, per);
+  at::nll_loss(at::log_softmax(root(my_tokens), 1), my_targets).backward();
+  at::nll_loss(at::log_softmax(ref(tokens), 1), targets).backward();
+  // The tied weight gets both uses' gradient, sharded once.
+  BOOST_TEST(toy::max_abs_diff(model->embed.grad(), toy::shard_rows(ref->embed.grad(), ws, rank)) < 1e-6);
+}
+
+BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {
+  // The root shares mid's weight: it would read it while mid's unit has it
+  // resharded.
+  struct CrossTied : torch::nn::Module {
+    CrossTied() {
+      mid = register_module("mid", torch::nn::Linear(4, 4));
+      proj = register_parameter("proj", mid->weight);
+    }
+    fsdp::Sharded<torch::nn::Linear> mid{nullptr};
+    at::Tensor proj;
+  };
+  auto model = std::make_shared<CrossTied>();
+  fsdp::fully_shard(model->mid);
+  BOOST_CHECK_EXCEPTION(fsdp::fully_shard(model), fsdp::ArgumentError,
+                        [](const fsdp::ArgumentError& e) {
+                          return e.argument() == "module" &&
+                                 std::string(e.what()).find("tied") != std::string::npos;
+                        });
 }

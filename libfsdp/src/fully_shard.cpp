@@ -156,7 +156,14 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
     const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
     for (auto& [name, param] : unit_parameters(*modules[mi], prefix)) {
       if (!taken.insert(param.unsafeGetTensorImpl()).second) continue;  // tied weights
-      if (detail::is_managed(param) || contains_tensor(options.ignored_params, param)) continue;
+      if (contains_tensor(options.ignored_params, param)) continue;
+      if (detail::is_managed(param)) {
+        // Nested units' subtrees are skipped, so this one is shared with them.
+        throw ArgumentError("module", "fully_shard: parameter '" + name +
+                                          "' is tied to a parameter of another unit; tied "
+                                          "weights must live in one unit (shard the modules "
+                                          "that share it together)");
+      }
       const Placement placement = placement_for(name, param, options, shard_group->size());
       detail::UnitDtypes dtypes;
       if (param.is_floating_point()) {
