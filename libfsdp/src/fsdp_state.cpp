@@ -287,6 +287,9 @@ void UnitState::post_forward() {
   // A unit over several modules reshards once all of them ran.
   if (forward_entries % static_cast<int64_t>(modules.size()) != 0) return;
   forward_entries = 0;
+  // A recompute inside backward (activation checkpointing) needs the full
+  // parameters for the backward that follows; post_backward reshards.
+  if (detail::ctx().phase == detail::Phase::Backward) return;
   if (reshard_after_forward) reshard();
 }
 
