@@ -66,6 +66,7 @@ class ShardedParam {
   // adds it, in reduce_dtype, to the unsharded gradient.
   void take_unsharded_grad();
   bool has_unsharded_grad() const { return unsharded_grad_.defined(); }
+  const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
   // The reduce-scatter input for this parameter: the unsharded gradient
   // (zeros if none arrived), dim moved first and zero-padded, flattened.
   at::Tensor reduce_scatter_input();

@@ -327,6 +327,12 @@ std::vector<std::pair<std::string, DTensor>> FSDPModule::sharded_parameters() co
   return out;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> FSDPModule::unsynced_grads() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : unit().group.params()) out.emplace_back(p.name(), p.unsharded_grad());
+  return out;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> FSDPModule::main_grads() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& p : unit().group.params()) out.emplace_back(p.name(), p.main_grad());

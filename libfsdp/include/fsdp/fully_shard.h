@@ -149,6 +149,10 @@ class FSDPModule {
   // Managed parameters as DTensors (local shard + mesh + placements), in
   // module order; names are relative to module().
   std::vector<std::pair<std::string, DTensor>> sharded_parameters() const;
+  // Full gradients accumulated locally while set_requires_gradient_sync(false)
+  // (reduce dtype; undefined where none), by parameter name. They differ
+  // across ranks until the next synchronised backward reduces them.
+  std::vector<std::pair<std::string, at::Tensor>> unsynced_grads() const;
   // fp32 main gradients (apply_grad_on_fp32_main_grad), by parameter name.
   std::vector<std::pair<std::string, at::Tensor>> main_grads() const;
 
