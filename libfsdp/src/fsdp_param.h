@@ -34,17 +34,12 @@ class ShardedParam {
   const Placement& placement() const { return placement_; }
   bool is_sharded_placement() const { return placement_.is_shard(); }
   const std::vector<int64_t>& full_shape() const { return full_shape_; }
-  c10::ScalarType orig_dtype() const { return orig_dtype_; }
-  c10::ScalarType param_dtype() const { return param_dtype_; }
-  c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
   bool requires_grad() const { return param_.requires_grad(); }
-  bool is_unsharded() const { return unsharded_; }
 
   // Elements of one rank's padded block: chunk * (product of the other dims).
   int64_t padded_block_numel() const { return block_numel_; }
-  // The local shard (owned rows, original layout) and the padded shard.
+  // The local shard (owned rows, original layout).
   const at::Tensor& local() const { return local_; }
-  const at::Tensor& padded_shard() const { return padded_; }
 
   // ---- unshard ----
   // The all-gather input for this rank: the padded shard in param_dtype on the
@@ -65,7 +60,6 @@ class ShardedParam {
   // Takes the full gradient out of param().grad() (leaving it undefined) and
   // adds it, in reduce_dtype, to the unsharded gradient.
   void take_unsharded_grad();
-  bool has_unsharded_grad() const { return unsharded_grad_.defined(); }
   const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
   // The reduce-scatter input for this parameter: the unsharded gradient
   // (zeros if none arrived), dim moved first and zero-padded, flattened.
