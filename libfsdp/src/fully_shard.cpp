@@ -198,7 +198,9 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
                                           options);
   detail::register_unit(unit);
   for (const auto& m : modules) detail::intercept_sequential_children(*m);
-  return std::vector<FSDPModule>(modules.size(), FSDPModule(unit));
+  std::vector<FSDPModule> handles;
+  for (size_t i = 0; i < modules.size(); ++i) handles.push_back(FSDPModule(unit, i));
+  return handles;
 }
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
@@ -209,7 +211,10 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullySh
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module) {
   auto unit = detail::unit_for_module(module);
   if (!unit) return std::nullopt;
-  return FSDPModule(unit);
+  for (size_t i = 0; i < unit->module_ptrs.size(); ++i) {
+    if (unit->module_ptrs[i] == &module) return FSDPModule(unit, i);
+  }
+  return std::nullopt;
 }
 
 void UnshardHandle::wait() {
@@ -225,7 +230,7 @@ UnitState& FSDPModule::unit() const {
 }
 
 std::shared_ptr<torch::nn::Module> FSDPModule::module() const {
-  return unit().modules.front().lock();
+  return unit().modules.at(module_index_).lock();
 }
 
 namespace {
@@ -309,6 +314,7 @@ void FSDPModule::reshard() { unit().reshard(); }
 void FSDPModule::zero_grad() {
   for_units(unit(), true, [](UnitState& u) {
     for (auto& p : u.group.params()) p.zero_grad();
+    u.group.clear_partial_sums();
   });
 }
 

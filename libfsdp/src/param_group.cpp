@@ -194,14 +194,23 @@ void ParamGroup::finish_reduce() {
     return;
   }
   if (hsdp) {
-    // Fused outputs are views of one buffer: one all-reduce covers them.
+    // Sums kept back by earlier steps that skipped the all-reduce join this
+    // one, in place, so a single all-reduce covers them (fused outputs are
+    // views of one buffer: one all-reduce covers the unit).
+    for (size_t k = 0; k < reduce_params_.size(); ++k) {
+      const at::Tensor& partial = partial_sums_[reduce_params_[k]];
+      if (partial.defined()) reduce_outputs_[k].add_(partial);
+    }
     std::vector<WorkPtr> works;
     if (fused_reduce_out_.defined()) {
       works.push_back(replicate_group_->all_reduce(fused_reduce_out_, ReduceOp::SUM, true));
     }
     for (size_t k = 0; k < reduce_params_.size(); ++k) {
-      const bool in_fused = fused_reduce_out_.defined() && params_[reduce_params_[k]].is_sharded_placement();
-      if (!in_fused) works.push_back(replicate_group_->all_reduce(reduce_outputs_[k], ReduceOp::SUM, true));
+      const bool in_fused =
+          fused_reduce_out_.defined() && params_[reduce_params_[k]].is_sharded_placement();
+      if (!in_fused) {
+        works.push_back(replicate_group_->all_reduce(reduce_outputs_[k], ReduceOp::SUM, true));
+      }
     }
     for (auto& w : works) w->wait();
   }
@@ -210,17 +219,19 @@ void ParamGroup::finish_reduce() {
     at::Tensor g = reduce_outputs_[k] * full_scale;
     at::Tensor& partial = partial_sums_[i];
     if (partial.defined()) {
-      // Earlier steps skipped the all-reduce and installed their shard-group
-      // means; swap those for the global reduction of their sum.
-      at::Tensor global = partial.contiguous();
-      replicate_group_->all_reduce(global, ReduceOp::SUM);
-      g = g + global * full_scale - partial * shard_scale;
+      // Those earlier steps installed their shard-group means; the global
+      // result just computed replaces them.
+      g.sub_(partial * shard_scale);
       partial = at::Tensor();
     }
     params_[i].add_reduced_grad(g, s.fp32_main_grad);
   }
   reduce_outputs_.clear();
   fused_reduce_out_ = at::Tensor();
+}
+
+void ParamGroup::clear_partial_sums() {
+  for (auto& partial : partial_sums_) partial = at::Tensor();
 }
 
 }  // namespace fsdp::detail

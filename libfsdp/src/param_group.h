@@ -44,6 +44,9 @@ class ParamGroup {
   bool reduce_in_flight() const { return reduce_pending_; }
   // Waits for the reduction and adds the results to the sharded gradients.
   void finish_reduce();
+  // Forgets sums kept back by steps that skipped the HSDP all-reduce (their
+  // gradients were dropped by zero_grad).
+  void clear_partial_sums();
 
  private:
   struct PendingReduce;

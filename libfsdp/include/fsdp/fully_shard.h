@@ -174,11 +174,13 @@ class FSDPModule {
   friend std::vector<FSDPModule> fully_shard(
       const std::vector<std::shared_ptr<torch::nn::Module>>&, FullyShardOptions);
   friend std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module&);
-  explicit FSDPModule(std::shared_ptr<UnitState> unit) : unit_(std::move(unit)) {}
+  FSDPModule(std::shared_ptr<UnitState> unit, size_t module_index)
+      : unit_(std::move(unit)), module_index_(module_index) {}
   UnitState& unit() const;
   static std::vector<std::weak_ptr<UnitState>> prefetch_units(
       const std::vector<FSDPModule>& modules, const char* fn);
   std::shared_ptr<UnitState> unit_;
+  size_t module_index_ = 0;  // which of the unit's modules this handle names
 };
 
 // Shards `module`'s parameters (those not already managed by a unit inside
