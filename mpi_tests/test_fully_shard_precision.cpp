@@ -2,7 +2,9 @@
 // _test_fully_shard_precision.py, Level 1: ignored_params (L1-06),
 // comm_fusion (L1-08 and the ON/OFF rows), the mixed precision matrix
 // (L1-10..13 and the existing fp16/fp32 row), replicate_params 1-D/2-D and
-// CPU offload. Runs at np 2 (CPU) and gpu2.
+// CPU offload; and Level 2: gradient accumulation (L2-01), frozen
+// parameters (L2-02), global gradient clipping (L2-07), dynamic sequence
+// length (L2-08). Runs at np 2 (CPU) and gpu2.
 //
 // Baselines are single-card runs of an unsharded copy of the same model
 // (same seed) -- never another FSDP run (plan rule 1). L1-08 additionally
@@ -31,6 +33,7 @@
 #include "spmd.h"
 #include "toy_models.h"
 
+#include <fsdp/clip_grad.h>
 #include <fsdp/comm.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/errors.h>
@@ -39,8 +42,12 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -776,4 +783,619 @@ BOOST_AUTO_TEST_CASE(test_cpu_offload_pin_memory) {
   po.id = "offload";
   prec::fp32_parity(s, 9, po, [&](int step) { check_on_cpu("after backward " + std::to_string(step)); });
   check_on_cpu("after the steps");
+}
+
+// ===========================================================================
+// Level 2: training features around fully_shard
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Gradients accumulated unsynchronised, by root-relative name.
+std::map<std::string, at::Tensor> unsynced_of(const std::vector<prec::Unit>& units) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& u : units) {
+    for (auto& [name, g] : u.fsdp.unsynced_grads()) out[u.prefix + name] = g;
+  }
+  return out;
+}
+
+void add_into(std::map<std::string, at::Tensor>& acc, const std::map<std::string, at::Tensor>& g) {
+  for (const auto& [name, t] : g) acc[name] = acc.count(name) ? acc[name] + t : t.clone();
+}
+
+void sgd(torch::nn::Module& m, double lr) {
+  at::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) {
+    if (p.grad().defined()) p.sub_(p.grad() * lr);
+  }
+}
+
+// L2-01 in one mesh form. Two accumulation cycles of N micro-steps with an
+// SGD update between them; the micro-loss is divided by N, so that the merged
+// gradient is the gradient of one large batch (the N global micro-batches
+// together) on a single card.
+//  - "1-D": set_requires_gradient_sync(false) on the first N-1 micro-steps.
+//  - "HSDP (ws,1)": replicate = ws, shard = 1, gradient sync on but
+//    set_requires_all_reduce(false) on the first N-1 micro-steps: each
+//    replica reduces over its (one-rank) shard group only and keeps its own
+//    gradient; the last micro-step all-reduces over the replicate dim. This
+//    is the 2-rank form in which the all-reduce toggle has an effect: in a
+//    (1,ws) mesh the replicate dim has one rank and nothing to skip.
+void check_grad_accumulation(const std::string& id, bool hsdp) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  const double tol = 1e-5, lr = 0.1;
+  const int n_micro = 3;
+  const int64_t seed = 21;
+  fsdp::FullyShardOptions opts;
+  if (hsdp) {
+    opts.mesh = fsdp::init_device_mesh(spmd::device().type(), {ws, 1}, {"replicate", "shard"});
+  }
+  auto s = prec::shard_model(toy::Mlp(seed), opts, opts);
+  const int64_t n_params = prec::managed_count(s.units());
+  toy::Mlp ref(seed);
+  ref->to(spmd::device());
+
+  double merged_err = 0, middle_err = 0, min_spread = kInf, replica_spread = 0;
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    std::vector<toy::Batch> batches;
+    std::map<std::string, at::Tensor> own_acc;  // single card: this rank's slices so far
+    for (int k = 0; k < n_micro; ++k) {
+      const bool last = k == n_micro - 1;
+      if (hsdp) {
+        s.root.set_requires_all_reduce(last);
+      } else {
+        s.root.set_requires_gradient_sync(last);
+      }
+      batches.push_back(device_batch(200 + 10 * cycle + k, 8));
+      const toy::Batch mine = toy::slice(batches.back(), rank, ws);
+      fsdp::reset_collective_counters();
+      at::Tensor loss = toy::mse(s.net(mine.x), mine.y) / n_micro;
+      loss.backward();
+      const auto c = fsdp::collective_counters();
+      add_into(own_acc, prec::grads_of(*ref, toy::mse(ref(mine.x), mine.y) / n_micro));
+      const std::string where = "[" + id + "] cycle " + std::to_string(cycle) + " micro-step " +
+                                std::to_string(k);
+      if (last) {
+        // 1-D: one reduce-scatter per parameter. HSDP (ws,1): a one-rank
+        // shard group scatters nothing; the replicate all-reduce runs now.
+        BOOST_TEST(c.total("reduce_scatter") == (hsdp ? 0 : n_params),
+                   where << " reduce_scatters " << c.total("reduce_scatter"));
+        if (hsdp) {
+          BOOST_TEST(c.total("all_reduce") > 0, where << ": no all-reduce on the last step");
+        } else {
+          BOOST_TEST(c.total("all_reduce") == 0, where << " all_reduces " << c.total("all_reduce"));
+        }
+        continue;
+      }
+      BOOST_TEST(c.total("reduce_scatter") == 0,
+                 where << " reduce_scatters " << c.total("reduce_scatter"));
+      BOOST_TEST(c.total("all_reduce") == 0, where << " all_reduces " << c.total("all_reduce"));
+      // Not synchronised: each rank holds the sum of its own micro-batch
+      // gradients. 1-D: the library's unsynced full gradients, param.grad()
+      // untouched. HSDP: the replica's own reduction, either installed in
+      // param.grad() (this library today) or kept aside until the all-reduce
+      // (PyTorch FSDP2), in which case param.grad() stays undefined and
+      // only the counters and the merged result below can be checked.
+      const auto unsynced = unsynced_of(s.units());
+      for (const auto& m : prec::managed(s.units())) {
+        at::Tensor g;
+        if (hsdp) {
+          g = m.param.grad();
+          if (!g.defined()) continue;
+        } else {
+          BOOST_TEST(!m.param.grad().defined(), where << " " << m.name
+                                                      << ".grad() set by an unsynced backward");
+          g = unsynced.count(m.name) ? unsynced.at(m.name) : at::Tensor();
+        }
+        BOOST_TEST(g.defined(), where << " " << m.name << ": no accumulated gradient");
+        const at::Tensor want = own_acc.at(m.name);
+        const at::Tensor got = g.defined() ? g : at::zeros_like(want);
+        const double e = diff(got, want);
+        BOOST_TEST(e < tol, where << " " << m.name << " accumulated grad vs single card on this "
+                                        "rank's micro-batches: " << e);
+        middle_err = std::max(middle_err, e);
+        const double spread = prec::spread_across_ranks(got);  // collective
+        BOOST_TEST(spread > 1e-3, where << " " << m.name << " equal across ranks ("
+                                        << spread << "): synchronised?");
+        min_spread = std::min(min_spread, spread);
+      }
+    }
+    // The large batch on a single card.
+    const at::Tensor big_x = at::cat({batches[0].x, batches[1].x, batches[2].x});
+    const at::Tensor big_y = at::cat({batches[0].y, batches[1].y, batches[2].y});
+    const auto want = prec::grads_of(*ref, toy::mse(ref(big_x), big_y));
+    for (const auto& [name, g] : unsynced_of(s.units())) {
+      BOOST_TEST(!g.defined(), "[" << id << "] " << name << ": unsynced gradient left after the "
+                                                          "synchronised backward");
+    }
+    for (const auto& m : prec::managed(s.units())) {
+      const at::Tensor g = m.param.grad();
+      BOOST_TEST(g.defined(), "[" << id << "] " << m.name << " has no merged gradient");
+      const at::Tensor got = g.defined() ? g : at::zeros_like(m.param);
+      const double e = diff(got, local_part(want.at(m.name), m.dt));
+      BOOST_TEST(e < tol, "[" << id << "] cycle " << cycle << " " << m.name
+                              << " merged grad vs large-batch single card: " << e);
+      merged_err = std::max(merged_err, e);
+      if (hsdp) {
+        // Replicas must hold the same gradient, or their parameters drift apart.
+        const double spread = prec::spread_across_ranks(got);
+        BOOST_TEST(spread == 0.0, "[" << id << "] cycle " << cycle << " " << m.name
+                                      << " differs across HSDP replicas after the all-reduce: "
+                                      << spread);
+        replica_spread = std::max(replica_spread, spread);
+      }
+    }
+    sgd(*s.model, lr);
+    {
+      at::NoGradGuard no_grad;
+      for (auto& [name, p] : prec::named_params(*ref)) p.sub_(want.at(name) * lr);
+    }
+    s.root.zero_grad();
+  }
+  report(id, "merged grad vs large-batch single card", prec::max_over_ranks(merged_err), tol);
+  report(id, "middle-step accumulated grad vs single card on own micro-batches",
+         prec::max_over_ranks(middle_err), tol);
+  const double spread = -prec::max_over_ranks(-min_spread);
+  if (std::isfinite(spread)) {
+    report(id, "middle-step grad spread across ranks (must be large)", spread, 0);
+  } else {
+    prec::note("[" + id + "] middle-step grads kept aside by the library (param.grad() undefined)");
+  }
+  if (hsdp) report(id, "merged grad spread across replicas (must be 0)", replica_spread, 0);
+}
+
+}  // namespace
+
+// L2-01
+BOOST_AUTO_TEST_CASE(test_gradient_accumulation) {
+  check_grad_accumulation("L2-01 1-D", /*hsdp=*/false);
+  check_grad_accumulation("L2-01 HSDP (" + std::to_string(spmd::world_size()) + ",1)",
+                          /*hsdp=*/true);
+}
+
+// ===========================================================================
+// L2-02: fc1 (a whole unit) and fc3.bias (one parameter of the root unit)
+// frozen; fc2 and fc3.weight train. Frozen before fully_shard, and frozen
+// after it (a fine-tuning script freezing an already sharded model).
+
+BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  const double tol = 1e-5, lr = 0.1;
+  const int64_t seed = 23;
+  const std::set<std::string> frozen = {"fc1.weight", "fc1.bias", "fc3.bias"};
+  auto freeze = [&](torch::nn::Module& m) {
+    for (const auto& name : frozen) prec::param_named(m, name).requires_grad_(false);
+  };
+  for (bool after : {false, true}) {
+    const std::string id = std::string("L2-02 frozen ") + (after ? "after" : "before") +
+                           " fully_shard";
+    toy::Mlp model(seed);
+    if (!after) freeze(*model);
+    auto s = prec::shard_model(model, {}, {});
+    if (after) freeze(*s.model);
+    toy::Mlp ref(seed);
+    ref->to(spmd::device());
+    freeze(*ref);
+
+    std::map<std::string, at::Tensor> initial;
+    int64_t trainable = 0;
+    for (const auto& m : prec::managed(s.units())) {
+      BOOST_TEST(m.param.requires_grad() == (frozen.count(m.name) == 0),
+                 "[" << id << "] " << m.name << " requires_grad " << m.param.requires_grad());
+      if (frozen.count(m.name)) initial[m.name] = m.param.detach().clone();
+      trainable += frozen.count(m.name) ? 0 : 1;
+    }
+    BOOST_TEST(initial.size() == frozen.size());
+
+    double loss_err = 0, grad_err = 0;
+    for (int step = 0; step < 2; ++step) {
+      const toy::Batch batch = device_batch(230 + step, 8);
+      const toy::Batch mine = toy::slice(batch, rank, ws);
+      at::Tensor loss = toy::mse(s.net(mine.x), mine.y);
+      fsdp::reset_collective_counters();
+      loss.backward();
+      const auto c = fsdp::collective_counters();
+      // One reduce-scatter per trainable parameter: none for the frozen ones.
+      BOOST_TEST(c.total("reduce_scatter") == trainable,
+                 "[" << id << "] step " << step << " reduce_scatters "
+                     << c.total("reduce_scatter") << ", trainable params " << trainable);
+      BOOST_TEST(c.total("all_reduce") == 0);
+
+      at::Tensor ref_loss = toy::mse(ref(batch.x), batch.y);
+      const auto want = prec::grads_of(*ref, ref_loss);
+      const double le = std::abs(prec::mean_over_ranks(loss.item<double>()) -
+                                 ref_loss.item<double>());
+      BOOST_TEST(le < tol, "[" << id << "] step " << step << " loss vs single card: " << le);
+      loss_err = std::max(loss_err, le);
+      for (const auto& m : prec::managed(s.units())) {
+        const at::Tensor g = m.param.grad();
+        if (frozen.count(m.name)) {
+          BOOST_TEST(!g.defined(), "[" << id << "] frozen " << m.name << " has a gradient");
+          continue;
+        }
+        BOOST_TEST(g.defined(), "[" << id << "] " << m.name << " has no gradient");
+        if (!g.defined()) continue;
+        const double e = diff(g, local_part(want.at(m.name), m.dt));
+        BOOST_TEST(e < tol, "[" << id << "] step " << step << " " << m.name
+                                << " grad vs single card: " << e);
+        grad_err = std::max(grad_err, e);
+      }
+      sgd(*s.model, lr);
+      {
+        at::NoGradGuard no_grad;
+        for (auto& [name, p] : prec::named_params(*ref)) {
+          if (want.count(name)) p.sub_(want.at(name) * lr);
+        }
+      }
+      s.root.zero_grad();
+      for (const auto& m : prec::managed(s.units())) {
+        if (!frozen.count(m.name)) continue;
+        BOOST_TEST(diff(m.param, initial.at(m.name)) == 0.0,
+                   "[" << id << "] frozen " << m.name << " changed at step " << step);
+      }
+    }
+    // The trainable parameters did move (so the frozen check is not vacuous).
+    double param_err = 0;
+    const auto ref_params = prec::named_params(*ref);
+    for (const auto& m : prec::managed(s.units())) {
+      const double e = diff(m.param, local_part(ref_params.at(m.name), m.dt));
+      BOOST_TEST(e < tol, "[" << id << "] " << m.name << " after 2 SGD steps vs single card: "
+                              << e);
+      param_err = std::max(param_err, e);
+    }
+    report(id, "loss vs single card", prec::max_over_ranks(loss_err), tol);
+    report(id, "trainable grad vs single card", prec::max_over_ranks(grad_err), tol);
+    report(id, "params after SGD vs single card", prec::max_over_ranks(param_err), tol);
+  }
+}
+
+// ===========================================================================
+// L2-07: global gradient clipping over sharded (fc1.weight, fc2, fc3.weight),
+// replicated (fc1.bias, replicate_params) and ignored (fc3.bias) parameters,
+// in the 1-D mesh and both 2-rank 2-D meshes, for p = 2, inf and 3.
+
+namespace {
+
+std::string p_name(double p) { return std::isinf(p) ? "inf" : std::to_string(static_cast<int>(p)); }
+
+// (sum |t|^p over the tensors)^(1/p), or max |t|, in double.
+double norm_of(const std::vector<at::Tensor>& ts, double p) {
+  double acc = 0;
+  for (const auto& t : ts) {
+    if (t.numel() == 0) continue;
+    const at::Tensor a = t.detach().to(at::kDouble).abs();
+    acc = std::isinf(p) ? std::max(acc, a.max().item<double>()) : acc + a.pow(p).sum().item<double>();
+  }
+  return std::isinf(p) ? acc : std::pow(acc, 1.0 / p);
+}
+
+void check_clip(const std::string& form, std::optional<fsdp::DeviceMesh> mesh) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  const double tol = 1e-5;
+  const int64_t seed = 27;
+  toy::Mlp model(seed);
+  fsdp::FullyShardOptions opts;
+  opts.mesh = mesh;
+  opts.replicate_params = {model->fc1->bias};
+  opts.ignored_params = {model->fc3->bias};
+  auto s = prec::shard_model(model, opts, opts);
+  const fsdp::DeviceMesh& m_mesh = s.root.mesh();
+  const int64_t shard_size = m_mesh.size(m_mesh.ndim() - 1);
+  const at::Tensor ignored = s.model->fc3->bias;
+
+  const toy::Batch batch = device_batch(270, 8);
+  const toy::Batch mine = toy::slice(batch, rank, ws);
+  toy::Mlp ref(seed);
+  ref->to(spmd::device());
+  const auto ref_grads = prec::grads_of(*ref, toy::mse(ref(batch.x), batch.y));
+  std::vector<at::Tensor> ref_list;
+  for (const auto& [name, g] : ref_grads) ref_list.push_back(g);
+
+  for (double p : {2.0, kInf, 3.0}) {
+    const std::string id = "L2-07 " + form + " p=" + p_name(p);
+    s.root.zero_grad();
+    ignored.mutable_grad() = at::Tensor();
+    toy::mse(s.net(mine.x), mine.y).backward();
+    if (p == 2.0) {
+      // Plain (ignored) gradients count as each rank's own: before any
+      // synchronisation the norm is the global managed part plus this
+      // rank's own fc3.bias gradient (the single card on this rank's rows).
+      const at::Tensor own = prec::grads_of(*ref, toy::mse(ref(mine.x), mine.y)).at("fc3.bias");
+      const double managed_sq = std::pow(norm_of(ref_list, 2.0), 2) -
+                                std::pow(norm_of({ref_grads.at("fc3.bias")}, 2.0), 2);
+      const double want = std::sqrt(managed_sq + std::pow(norm_of({own}, 2.0), 2));
+      const double got = fsdp::total_grad_norm({s.root}, {}, 2.0);
+      BOOST_TEST(std::abs(got - want) < tol, "[" << form << "] norm with unsynchronised ignored "
+                                                    "grads " << got << ", expected (own) "
+                                                 << want);
+      BOOST_TEST(prec::spread_across_ranks(own) > 1e-3, "[" << form << "] the ranks' own fc3.bias "
+                                                              "grads do not differ");
+    }
+    // The ignored parameter's gradient is this rank's own; synchronise it
+    // the way a user of ignored_params does (DDP-style mean), so that every
+    // parameter's gradient is the single card's.
+    {
+      at::Tensor g = ignored.grad().detach().cpu().contiguous();
+      fsdp::world_group()->all_reduce(g, fsdp::ReduceOp::AVG);
+      ignored.mutable_grad().copy_(g);
+    }
+    const auto ms = prec::managed(s.units());
+    std::vector<at::Tensor> local_pieces = {ignored.grad()};  // what this rank holds
+    for (const auto& m : ms) {
+      BOOST_TEST((m.param.grad().sizes() == m.param.sizes()),
+                 "[" << id << "] " << m.name << " grad holds more than the owned rows");
+      local_pieces.push_back(m.param.grad());
+    }
+
+    const double ref_norm = norm_of(ref_list, p);
+    const double max_norm = 0.5 * ref_norm;
+    // What a per-shard clip would use: this rank's pieces alone.
+    const double per_shard = norm_of(local_pieces, p);
+    // Both entry points see the same parameters.
+    const double by_params = fsdp::total_grad_norm(s.model->parameters(), p);
+    fsdp::reset_collective_counters();
+    const double returned = fsdp::clip_grad_norm_({s.root}, {}, max_norm, p);
+    const auto c = fsdp::collective_counters();
+    // One scalar all-reduce over the shard group; none when it has one rank
+    // (in particular none over the replicate dim).
+    BOOST_TEST(c.total("all_reduce") == (shard_size > 1 ? 1 : 0),
+               "[" << id << "] all_reduces " << c.total("all_reduce"));
+    BOOST_TEST(c.total("all_gather") + c.total("reduce_scatter") == 0);
+
+    const double norm_err = std::max(std::abs(returned - ref_norm), std::abs(by_params - ref_norm));
+    BOOST_TEST(norm_err < tol, "[" << id << "] total norm " << returned << " (by parameters "
+                                   << by_params << ") vs single card " << ref_norm);
+    if (p == 2.0) {
+      if (shard_size > 1) {
+        // Clipping each rank's pieces by their own norm would have given
+        // other gradients than the single card's clipping.
+        const double shard_coef = std::min(1.0, max_norm / (per_shard + 1e-6));
+        double apart = 0;
+        for (const auto& t : local_pieces) {
+          apart = std::max(apart, t.detach().abs().max().item<double>() *
+                                      std::abs(shard_coef - max_norm / (ref_norm + 1e-6)));
+        }
+        BOOST_TEST(apart > 10 * tol, "[" << id << "] per-shard clipping (norm " << per_shard
+                                         << ") would differ from global clipping (norm "
+                                         << ref_norm << ") by only " << apart);
+      }
+      // Counting the replicated fc1.bias once per rank would move the norm
+      // by more than the tolerance, so the comparison below can see it.
+      const double rep = norm_of({ref_grads.at("fc1.bias")}, 2.0);
+      const double per_rank = std::sqrt(ref_norm * ref_norm + (ws - 1) * rep * rep);
+      BOOST_TEST(per_rank - ref_norm > 10 * tol,
+                 "[" << id << "] fc1.bias too small to tell once from per-rank counting");
+    }
+
+    const double coef = max_norm / (ref_norm + 1e-6);
+    double grad_err = 0;
+    for (const auto& m : ms) {
+      const double e = diff(m.param.grad(), local_part(ref_grads.at(m.name) * coef, m.dt));
+      BOOST_TEST(e < tol, "[" << id << "] " << m.name << " clipped grad vs single card: " << e);
+      grad_err = std::max(grad_err, e);
+    }
+    {
+      const double e = diff(ignored.grad(), ref_grads.at("fc3.bias") * coef);
+      BOOST_TEST(e < tol, "[" << id << "] fc3.bias (ignored) clipped grad vs single card: " << e);
+      grad_err = std::max(grad_err, e);
+    }
+    // After clipping, measured independently: the full gradients gathered.
+    std::vector<at::Tensor> full = {ignored.grad()};
+    for (const auto& m : ms) full.push_back(prec::full_of(m.param.grad(), m.dt));  // collective
+    const double after = norm_of(full, p);
+    BOOST_TEST(after <= max_norm + 1e-6, "[" << id << "] norm after clipping " << after
+                                             << " > max_norm " << max_norm);
+    const double after_lib = fsdp::total_grad_norm({s.root}, {}, p);
+    BOOST_TEST(std::abs(after_lib - after) < tol);
+
+    // Below the threshold nothing is scaled.
+    std::vector<at::Tensor> before;
+    for (const auto& t : local_pieces) before.push_back(t.clone());
+    const double again = fsdp::clip_grad_norm_({s.root}, {}, 2 * max_norm, p);
+    BOOST_TEST(std::abs(again - after) < tol);
+    double moved = 0;
+    for (size_t i = 0; i < before.size(); ++i) moved = std::max(moved, diff(before[i], local_pieces[i]));
+    BOOST_TEST(moved == 0.0, "[" << id << "] clipping below max_norm changed a gradient by "
+                                 << moved);
+
+    report(id, "total norm vs single card", prec::max_over_ranks(norm_err), tol);
+    report(id, "clipped grad vs single-card clipping", prec::max_over_ranks(grad_err), tol);
+    report(id, "norm after clipping - max_norm (must be <= 1e-6)",
+           prec::max_over_ranks(after - max_norm), 0);
+    report(id, "per-shard norm (info: rank 0's) " + std::to_string(per_shard) + " vs global " +
+                   std::to_string(ref_norm),
+           prec::max_over_ranks(std::abs(per_shard - ref_norm)), 0);
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(test_grad_clip_with_dtensor_grads) {  // L2-07
+  const int ws = spmd::world_size();
+  check_clip("1-D", std::nullopt);
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{ws, 1},
+                                            std::vector<int64_t>{1, ws}}) {
+    check_clip("2-D (" + std::to_string(shape[0]) + "," + std::to_string(shape[1]) + ")",
+               fsdp::init_device_mesh(spmd::device().type(), shape, {"replicate", "shard"}));
+  }
+
+  // Arguments are checked on every rank before any communication.
+  auto s = prec::shard_model(toy::Mlp(29), {}, {});
+  const toy::Batch mine = toy::slice(device_batch(290, 8), spmd::rank(), ws);
+  toy::mse(s.net(mine.x), mine.y).backward();
+  fsdp::reset_collective_counters();
+  auto expect_arg = [&](const std::string& arg, const std::function<void()>& call,
+                        const std::string& what) {
+    try {
+      call();
+      BOOST_ERROR(what << ": no error");
+    } catch (const fsdp::ArgumentError& e) {
+      BOOST_TEST(e.argument() == arg, what << ": names '" << e.argument() << "': " << e.what());
+    }
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (double bad : {0.0, -1.0, nan}) {
+    expect_arg("max_norm", [&] { fsdp::clip_grad_norm_({s.root}, {}, bad); },
+               "max_norm " + std::to_string(bad));
+  }
+  for (double bad : {0.0, -2.0, nan, -kInf}) {
+    expect_arg("norm_type", [&] { fsdp::clip_grad_norm_({s.root}, {}, 1.0, bad); },
+               "norm_type " + std::to_string(bad));
+    expect_arg("norm_type", [&] { fsdp::total_grad_norm(s.model->parameters(), bad); },
+               "total_grad_norm norm_type " + std::to_string(bad));
+  }
+  expect_arg("modules", [&] { fsdp::clip_grad_norm_({fsdp::FSDPModule()}, {}, 1.0); },
+             "default FSDPModule");
+  expect_arg("parameters", [&] { fsdp::clip_grad_norm_({at::Tensor()}, 1.0); },
+             "undefined parameter");
+  expect_arg("extra_params", [&] { fsdp::clip_grad_norm_({s.root}, {at::Tensor()}, 1.0); },
+             "undefined extra parameter");
+  const auto c = fsdp::collective_counters();
+  BOOST_TEST(c.total("all_reduce") == 0, "a rejected call communicated");
+
+  // Reductions left in flight by set_is_last_backward(false) are finished
+  // before the norm is taken.
+  toy::Mlp ref(29);
+  ref->to(spmd::device());
+  const toy::Batch whole = device_batch(290, 8);
+  std::vector<at::Tensor> ref_list;
+  for (const auto& [name, t] : prec::grads_of(*ref, toy::mse(ref(whole.x), whole.y))) {
+    ref_list.push_back(t);
+  }
+  const double ref_norm = norm_of(ref_list, 2.0);
+  s.root.zero_grad();
+  s.root.set_is_last_backward(false);
+  toy::mse(s.net(mine.x), mine.y).backward();
+  const double in_flight = fsdp::total_grad_norm({s.root}, {});
+  BOOST_TEST(std::abs(in_flight - ref_norm) < 1e-5,
+             "norm with reductions in flight " << in_flight << " vs single card " << ref_norm);
+  s.root.set_is_last_backward(true);
+
+  // Units left unsharded by set_reshard_after_backward(false) hold their
+  // sharded gradients aside: refused on every rank until resharded.
+  s.root.zero_grad();
+  s.root.set_reshard_after_backward(false);
+  toy::mse(s.net(mine.x), mine.y).backward();
+  BOOST_CHECK_THROW(fsdp::clip_grad_norm_({s.root}, {}, 1.0), fsdp::StateError);
+  for (auto* u : {&s.fc1, &s.fc2, &s.root}) u->reshard();
+  const double resharded = fsdp::total_grad_norm({s.root}, {});
+  BOOST_TEST(std::abs(resharded - ref_norm) < 1e-5,
+             "norm after reshard() " << resharded << " vs single card " << ref_norm);
+  s.root.set_reshard_after_backward(true);
+
+  // error_if_nonfinite: a NaN gradient is refused on every rank, before
+  // anything is scaled.
+  at::Tensor g = s.model->fc3->weight.grad();
+  BOOST_TEST(g.defined());
+  if (g.defined()) {
+    g.view({-1})[0] = nan;
+    const at::Tensor before = s.model->fc2->weight.grad().clone();
+    expect_arg("parameters", [&] { fsdp::clip_grad_norm_({s.root}, {}, 1e-3, 2.0, true); },
+               "NaN gradient with error_if_nonfinite");
+    BOOST_TEST(diff(s.model->fc2->weight.grad(), before) == 0.0, "refused call scaled grads");
+  }
+}
+
+// ===========================================================================
+// L2-08: a model whose input has a sequence dim ([batch, seq, hidden]),
+// with token mixing over the sequence, trained 5 steps with a different
+// seq_len each step. Beyond the plan (finite loss and grad norm, shapes
+// unchanged, no hang), each step is compared with the single card.
+
+namespace {
+
+struct SeqNetImpl : torch::nn::Module {
+  explicit SeqNetImpl(int64_t seed) {
+    at::manual_seed(seed);
+    fc1 = register_module("fc1", torch::nn::Linear(6, 10));
+    fc2 = register_module("fc2", torch::nn::Linear(10, 10));
+    fc3 = register_module("fc3", torch::nn::Linear(10, 3));
+  }
+  at::Tensor forward(at::Tensor x) {  // [batch, seq, 6] -> [batch, seq, 3]
+    at::Tensor h = at::tanh(fc1(x));
+    // Attention-like mixing: the only place where seq_len enters the maths.
+    const at::Tensor a = at::softmax(at::matmul(h, h.transpose(1, 2)) / std::sqrt(10.0), -1);
+    h = at::tanh(fc2(at::matmul(a, h)));
+    return fc3(h);
+  }
+  fsdp::Sharded<torch::nn::Linear> fc1{nullptr}, fc2{nullptr};
+  torch::nn::Linear fc3{nullptr};
+};
+TORCH_MODULE(SeqNet);
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(test_dynamic_sequence_length) {  // L2-08
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  const std::string id = "L2-08";
+  const double tol = 1e-5, lr = 0.1;
+  const int64_t seed = 31, per_rank = 2;
+  auto s = prec::shard_model(SeqNet(seed), {}, {});
+  SeqNet ref(seed);
+  ref->to(spmd::device());
+  auto shapes = [&] {
+    std::map<std::string, std::pair<std::vector<int64_t>, std::vector<int64_t>>> out;
+    for (const auto& m : prec::managed(s.units())) {
+      out[m.name] = {m.param.sizes().vec(), m.dt.shape()};
+    }
+    return out;
+  };
+  const auto initial_shapes = shapes();
+  BOOST_TEST(initial_shapes.size() == 6u);
+
+  double loss_err = 0, grad_err = 0, norm_err = 0;
+  const std::vector<int64_t> seq_lens = {5, 17, 3, 11, 8};
+  for (size_t step = 0; step < seq_lens.size(); ++step) {
+    const int64_t seq = seq_lens[step];
+    const auto t0 = std::chrono::steady_clock::now();
+    at::manual_seed(280 + static_cast<int64_t>(step));
+    const at::Tensor x = at::randn({per_rank * ws, seq, 6}).to(spmd::device());
+    const at::Tensor y = at::randn({per_rank * ws, seq, 3}).to(spmd::device());
+    const at::Tensor mx = x.narrow(0, rank * per_rank, per_rank);
+    const at::Tensor my = y.narrow(0, rank * per_rank, per_rank);
+    const std::string where = "[" + id + "] step " + std::to_string(step) + " seq_len " +
+                              std::to_string(seq);
+
+    at::Tensor loss = toy::mse(s.net(mx), my);
+    loss.backward();
+    const double l = loss.item<double>();
+    const double norm = fsdp::total_grad_norm({s.root}, {});
+    BOOST_TEST(std::isfinite(l), where << " loss " << l);
+    BOOST_TEST(std::isfinite(norm), where << " grad norm " << norm);
+
+    at::Tensor ref_loss = toy::mse(ref(x), y);
+    const auto want = prec::grads_of(*ref, ref_loss);
+    std::vector<at::Tensor> want_list;
+    for (const auto& [name, g] : want) want_list.push_back(g);
+    const double le = std::abs(prec::mean_over_ranks(l) - ref_loss.item<double>());
+    const double ne = std::abs(norm - norm_of(want_list, 2.0));
+    BOOST_TEST(le < tol, where << " loss vs single card: " << le);
+    BOOST_TEST(ne < tol, where << " grad norm vs single card: " << ne);
+    loss_err = std::max(loss_err, le);
+    norm_err = std::max(norm_err, ne);
+    for (const auto& m : prec::managed(s.units())) {
+      const at::Tensor g = m.param.grad();
+      BOOST_TEST(g.defined(), where << " " << m.name << " has no gradient");
+      if (!g.defined()) continue;
+      const double e = diff(g, local_part(want.at(m.name), m.dt));
+      BOOST_TEST(e < tol, where << " " << m.name << " grad vs single card: " << e);
+      grad_err = std::max(grad_err, e);
+    }
+    sgd(*s.model, lr);
+    {
+      at::NoGradGuard no_grad;
+      for (auto& [name, p] : prec::named_params(*ref)) p.sub_(want.at(name) * lr);
+    }
+    s.root.zero_grad();
+    BOOST_TEST((shapes() == initial_shapes), where << ": parameter shapes changed");
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    prec::note(where + ": loss " + std::to_string(prec::mean_over_ranks(l)) + ", grad norm " +
+               std::to_string(norm) + ", " + std::to_string(secs) + " s");
+  }
+  report(id, "loss vs single card", prec::max_over_ranks(loss_err), tol);
+  report(id, "grad norm vs single card", prec::max_over_ranks(norm_err), tol);
+  report(id, "grad vs single card", prec::max_over_ranks(grad_err), tol);
 }

@@ -8,6 +8,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
 
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/sgd.h>
 
 namespace {
@@ -128,4 +129,29 @@ BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {
                           return e.argument() == "module" &&
                                  std::string(e.what()).find("tied") != std::string::npos;
                         });
+}
+
+BOOST_AUTO_TEST_CASE(root_without_own_parameters) {
+  // Every parameter lives in a nested unit: the root still runs the root
+  // logic and the step matches single card.
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  at::manual_seed(11);
+  torch::nn::Sequential ref(torch::nn::Linear(6, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  at::manual_seed(11);
+  torch::nn::Sequential model(torch::nn::Linear(6, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  fsdp::fully_shard(model[0]);
+  fsdp::fully_shard(model[2]);
+  auto root = fsdp::fully_shard(model.ptr());
+  BOOST_TEST(root.is_root());
+  at::manual_seed(12);
+  const auto x = at::randn({4 * ws, 6});
+  const auto mine = x.narrow(0, rank * 4, 4);
+  model->forward(mine).pow(2).mean().backward();
+  ref->forward(x).pow(2).mean().backward();
+  // After sharding, the Sequential's entries route through the units; its
+  // registered children are still the user's modules.
+  auto* fc0 = model->children()[0]->as<torch::nn::Linear>();
+  auto* ref0 = ref[0]->as<torch::nn::Linear>();
+  BOOST_TEST_REQUIRE(fc0 != nullptr);
+  BOOST_TEST(toy::max_abs_diff(fc0->weight.grad(), toy::shard_rows(ref0->weight.grad(), ws, rank)) < 1e-6);
 }

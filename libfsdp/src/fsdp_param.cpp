@@ -202,6 +202,16 @@ void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main
                               : g.to(padded_.device()).clone());
 }
 
+at::Tensor ShardedParam::sharded_grad_copy(bool fp32_main_grad) const {
+  const at::Tensor g = fp32_main_grad ? main_grad_ : current_sharded_grad();
+  return g.defined() ? g.clone() : g;
+}
+
+void ShardedParam::restore_grad(const at::Tensor& g, bool fp32_main_grad) {
+  if (fp32_main_grad) main_grad_ = g;
+  set_grad(g);
+}
+
 void ShardedParam::zero_grad() {
   param_.mutable_grad() = at::Tensor();
   stashed_grad_ = at::Tensor();

@@ -68,6 +68,10 @@ class ShardedParam {
   // Adds this rank's reduced block (reduce dtype; the full gradient for a
   // Replicate placement) to the sharded gradient, or to the fp32 main grad.
   void add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad);
+  // A copy of the sharded gradient as installed now (undefined if none).
+  at::Tensor sharded_grad_copy(bool fp32_main_grad) const;
+  // Puts back a gradient taken by sharded_grad_copy.
+  void restore_grad(const at::Tensor& g, bool fp32_main_grad);
   void zero_grad();
   const at::Tensor& main_grad() const { return main_grad_; }
 

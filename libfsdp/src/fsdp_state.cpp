@@ -35,6 +35,8 @@ StepContext& ctx() {
   return c;
 }
 
+thread_local int recompute_depth = 0;
+
 std::shared_ptr<UnitState> unit_by_id(int64_t id) {
   for (auto& u : ctx().units) {
     if (u->id == id) return u;
@@ -106,6 +108,10 @@ class SequentialEntryImpl : public torch::nn::Module {
 };
 
 }  // namespace
+
+RecomputeGuard::RecomputeGuard() { ++recompute_depth; }
+RecomputeGuard::~RecomputeGuard() { --recompute_depth; }
+bool RecomputeGuard::active() { return recompute_depth > 0; }
 
 std::shared_ptr<UnitState> unit_for_module(const torch::nn::Module& module) {
   for (auto& u : ctx().units) {
@@ -244,8 +250,18 @@ void UnitState::reshard() { group.reshard(); }
 
 void UnitState::pre_forward() {
   auto& c = detail::ctx();
-  const bool recompute = c.phase == detail::Phase::Backward;
+  const bool recompute = detail::RecomputeGuard::active();
   if (!recompute && detail::is_root(*this)) {
+    if (c.phase == detail::Phase::Backward) {
+      // The previous backward threw: the engine dropped our end-of-backward
+      // callback. Start clean rather than mistake this step for that one.
+      c.callback_queued = false;
+      for (auto& u : c.units) {
+        u->pre_backward_done = false;
+        u->post_backward_done = false;
+        u->grads_ready = 0;
+      }
+    }
     const bool seen = std::any_of(c.forward_order.begin(), c.forward_order.end(),
                                   [this](const std::weak_ptr<UnitState>& w) {
                                     return w.lock().get() == this;
@@ -277,7 +293,7 @@ at::Tensor UnitState::cast_input(const at::Tensor& t) const {
 at::Tensor UnitState::finish_output(const at::Tensor& t) {
   at::Tensor out = t;
   if (mp.output_dtype && out.defined() && out.is_floating_point()) out = out.to(*mp.output_dtype);
-  if (out.defined() && out.requires_grad() && detail::ctx().phase != detail::Phase::Backward) {
+  if (out.defined() && out.requires_grad() && !detail::RecomputeGuard::active()) {
     out = detail::PreBackward::apply(out, id);
   }
   return out;
@@ -289,7 +305,7 @@ void UnitState::post_forward() {
   forward_entries = 0;
   // A recompute inside backward (activation checkpointing) needs the full
   // parameters for the backward that follows; post_backward reshards.
-  if (detail::ctx().phase == detail::Phase::Backward) return;
+  if (detail::RecomputeGuard::active()) return;
   if (reshard_after_forward) reshard();
 }
 

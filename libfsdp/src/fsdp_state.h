@@ -65,6 +65,19 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
 
 namespace detail {
 
+// Marks this thread as recomputing a checkpointed segment inside backward:
+// units re-gather if needed but run no root logic, record no forward order,
+// issue no prefetch, attach no pre-backward hook and do not reshard after
+// forward (post_backward does).
+class RecomputeGuard {
+ public:
+  RecomputeGuard();
+  ~RecomputeGuard();
+  RecomputeGuard(const RecomputeGuard&) = delete;
+  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
+  static bool active();
+};
+
 std::shared_ptr<UnitState> unit_for_module(const torch::nn::Module& module);
 std::vector<std::shared_ptr<UnitState>> live_units();
 void register_unit(const std::shared_ptr<UnitState>& unit);

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -189,9 +190,18 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
     params.emplace_back(p.name, p.param, p.placement, shard_group->size(), shard_group->rank(),
                         p.dtypes, p.param.device(), offload, pin);
   }
-  if (params.empty()) {
-    throw ArgumentError("module", "fully_shard: 'module' has no parameters to manage (all are "
-                                  "absent, ignored, or managed by units inside it)");
+  // A root whose parameters all live in nested units is fine (it still runs
+  // the root logic); a module with nothing to manage at all is a mistake.
+  const bool has_nested_units = std::any_of(
+      modules.begin(), modules.end(), [](const std::shared_ptr<torch::nn::Module>& m) {
+        for (const auto& d : m->modules(/*include_self=*/false)) {
+          if (detail::unit_for_module(*d)) return true;
+        }
+        return false;
+      });
+  if (params.empty() && !has_nested_units) {
+    throw ArgumentError("module", "fully_shard: 'module' has no parameters to manage (none, or "
+                                  "all ignored) and no sharded modules inside it");
   }
   detail::ParamGroup group(std::move(params), shard_group, replicate_group, options.comm_fusion);
   auto unit = std::make_shared<UnitState>(detail::next_unit_id(), modules, mesh, std::move(group),

@@ -18,6 +18,7 @@ ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_g
     if (p.is_sharded_placement()) fused_block_numel_ += p.padded_block_numel();
   }
   partial_sums_.resize(params_.size());
+  base_grads_.resize(params_.size());
 }
 
 void ParamGroup::issue_unshard() {
@@ -186,6 +187,9 @@ void ParamGroup::finish_reduce() {
     for (size_t k = 0; k < reduce_params_.size(); ++k) {
       const size_t i = reduce_params_[k];
       at::Tensor& partial = partial_sums_[i];
+      // The gradient before the first kept-back step, to be restored when
+      // the global result replaces the replica-local means.
+      if (!partial.defined()) base_grads_[i] = params_[i].sharded_grad_copy(s.fp32_main_grad);
       partial = partial.defined() ? partial.add_(reduce_outputs_[k]) : reduce_outputs_[k].clone();
       params_[i].add_reduced_grad(reduce_outputs_[k] * shard_scale, s.fp32_main_grad);
     }
@@ -216,15 +220,12 @@ void ParamGroup::finish_reduce() {
   }
   for (size_t k = 0; k < reduce_params_.size(); ++k) {
     const size_t i = reduce_params_[k];
-    at::Tensor g = reduce_outputs_[k] * full_scale;
-    at::Tensor& partial = partial_sums_[i];
-    if (partial.defined()) {
-      // Those earlier steps installed their shard-group means; the global
-      // result just computed replaces them.
-      g.sub_(partial * shard_scale);
-      partial = at::Tensor();
+    if (partial_sums_[i].defined()) {
+      params_[i].restore_grad(base_grads_[i], s.fp32_main_grad);
+      base_grads_[i] = at::Tensor();
+      partial_sums_[i] = at::Tensor();
     }
-    params_[i].add_reduced_grad(g, s.fp32_main_grad);
+    params_[i].add_reduced_grad(reduce_outputs_[k] * full_scale, s.fp32_main_grad);
   }
   reduce_outputs_.clear();
   fused_reduce_out_ = at::Tensor();
@@ -232,6 +233,7 @@ void ParamGroup::finish_reduce() {
 
 void ParamGroup::clear_partial_sums() {
   for (auto& partial : partial_sums_) partial = at::Tensor();
+  for (auto& base : base_grads_) base = at::Tensor();
 }
 
 }  // namespace fsdp::detail

@@ -70,6 +70,7 @@ class ParamGroup {
   // HSDP with the all-reduce skipped: per-parameter sum of the shard-group
   // reductions not yet all-reduced, and the sharded grad they started from.
   std::vector<at::Tensor> partial_sums_;
+  std::vector<at::Tensor> base_grads_;
 };
 
 }  // namespace fsdp::detail

@@ -75,3 +75,41 @@ inline void restore_storage(const at::Tensor& t, size_t nbytes) {
 }
 
 }  // namespace fsdp::compat
+
+// ---- RNG state and autograd metadata (activation checkpointing) ----
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <ATen/core/Generator.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <mutex>
+
+namespace fsdp::compat {
+
+// The default generator's state on `device` (CPU, or one CUDA device). Both
+// 1.13 and 2.x reach the CUDA generator through the context's hooks, so this
+// compiles without CUDA headers.
+inline at::Tensor rng_state(c10::Device device) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+inline void set_rng_state(c10::Device device, const at::Tensor& state) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// Whether a gradient of `sizes` and `dtype` passes `node`'s first input
+// unchanged (AccumulateGrad validates incoming gradients against it).
+// InputMetadata's shape accessors differ between versions; is_same_shape
+// with a meta tensor does not.
+inline bool node_accepts(const torch::autograd::Node& node, c10::IntArrayRef sizes,
+                         c10::ScalarType dtype) {
+  const auto& meta = node.input_metadata(0);
+  if (meta.dtype() != c10::scalarTypeToTypeMeta(dtype)) return false;
+  return meta.is_same_shape(at::empty(sizes, at::TensorOptions().device(at::kMeta).dtype(dtype)));
+}
+
+}  // namespace fsdp::compat

@@ -18,9 +18,11 @@
 #include <fsdp/mesh.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <iomanip>
@@ -325,6 +327,38 @@ inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const P
   report(opt.id, "grad vs single card", r.worst_grad, opt.tol);
   report(opt.id, "params after SGD vs single card", r.worst_param, opt.tol);
   return r;
+}
+
+// Max |rank 0's t - rank k's t| (collective over the world; t has the same
+// shape on every rank). Shows whether ranks hold the same values.
+inline double spread_across_ranks(const at::Tensor& t) {
+  const int ws = spmd::world_size();
+  const at::Tensor v = t.detach().to(at::kDouble).cpu().contiguous().view({-1});
+  at::Tensor all = at::empty({ws * v.numel()}, v.options());
+  fsdp::world_group()->all_gather_into_tensor(all, v);
+  double spread = 0;
+  for (int k = 1; k < ws; ++k) {
+    spread = std::max(spread, diff(all.narrow(0, 0, v.numel()),
+                                   all.narrow(0, k * v.numel(), v.numel())));
+  }
+  return spread;
+}
+
+// Gradients of `loss` with respect to `m`'s trainable parameters, by name,
+// leaving their .grad() untouched -- for references that must not
+// accumulate between the calls.
+inline std::map<std::string, at::Tensor> grads_of(torch::nn::Module& m, const at::Tensor& loss) {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    names.push_back(item.key());
+    params.push_back(item.value());
+  }
+  const auto grads = torch::autograd::grad({loss}, params);
+  std::map<std::string, at::Tensor> out;
+  for (size_t i = 0; i < names.size(); ++i) out[names[i]] = grads[i].detach();
+  return out;
 }
 
 inline int64_t managed_count(const std::vector<Unit>& units) {

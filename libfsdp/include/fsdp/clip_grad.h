@@ -38,8 +38,8 @@
 //
 // Errors (ArgumentError naming the argument, thrown on every rank before any
 // communication): max_norm NaN or <= 0; norm_type NaN, <= 0 or -inf; an
-// undefined tensor in `parameters`; an FSDPModule that refers to no sharded
-// module in `modules`. StateError: a unit involved is unsharded (its sharded
+// undefined tensor in `parameters` or `extra_params`; an FSDPModule that
+// refers to no sharded module in `modules`. StateError: a unit involved is unsharded (its sharded
 // gradients are set aside until it reshards -- call reshard() first).
 #pragma once
 
@@ -59,8 +59,8 @@ namespace fsdp {
 // as torch does; a NaN total multiplies by NaN, as torch does, unless
 // error_if_nonfinite, which throws ArgumentError naming "parameters" on a
 // NaN or infinite total instead (before scaling). max_norm = +inf only
-// measures. Duplicate tensors are counted and scaled once. Returns the total
-// norm before clipping.
+// measures (for a finite total). Duplicate tensors are counted and scaled
+// once. Returns the total norm before clipping.
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                        double norm_type = 2.0, bool error_if_nonfinite = false);
 

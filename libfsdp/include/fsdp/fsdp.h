@@ -1,6 +1,8 @@
 // libfsdp umbrella header.
 #pragma once
 
+#include "fsdp/checkpoint.h"
+#include "fsdp/clip_grad.h"
 #include "fsdp/comm.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/errors.h"

@@ -24,7 +24,10 @@
 // place of M (it behaves like M: ->, ptr(), forward(), operator()). Children
 // of torch::nn::Sequential need nothing: fully_shard(root) re-routes the
 // Sequential's entries for sharded children through the unit (tensor in,
-// tensor out). A Sharded<M> whose module is not sharded simply forwards.
+// tensor out); afterwards the Sequential's ptr(i) / operator[] return those
+// routing entries, while its registered children (children(),
+// named_children(), parameters()) are still your modules. A Sharded<M>
+// whose module is not sharded simply forwards.
 //
 // After fully_shard, between steps, every managed parameter's data is its
 // local shard (dim 0 by default, ceil-div layout: trailing ranks may own zero
@@ -124,6 +127,9 @@ class FSDPModule {
   // HSDP only matters: false skips the all-reduce over the replicate dim.
   void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
+  // false keeps the parameters full after backward; their sharded gradients
+  // reach param.grad() at the next reshard(), so call reshard() before the
+  // optimizer steps.
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
   // "sum" or "avg" (default); ArgumentError naming "reduce_op" otherwise.
   void set_reduce_op_type(const std::string& reduce_op);
@@ -184,15 +190,17 @@ class FSDPModule {
 };
 
 // Shards `module`'s parameters (those not already managed by a unit inside
-// it, nor ignored) as one unit. Collective over the mesh. Errors: a module
-// already sharded, a module without parameters to manage, a mesh with
+// it, nor ignored) as one unit; a module whose parameters all belong to
+// units inside it becomes a unit without parameters (e.g. a root). Errors: a
+// module already sharded, a module with nothing to manage, a mesh with
 // ndim > 2, a Shard(d) placement out of range or uneven on d != 0, a
 // parameter both ignored and replicated -> ArgumentError (or subclass)
 // naming the argument.
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
                        FullyShardOptions options = {});
-// One unit over several modules: one all-gather / reduce-scatter for all of
-// them. Returns one FSDPModule per module, all referring to the shared unit.
+// One unit over several modules: their parameters are gathered and reduced
+// together (in one all-gather and one reduce-scatter with comm_fusion).
+// Returns one FSDPModule per module, all controlling the shared unit.
 std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                                     FullyShardOptions options = {});
 

@@ -1,0 +1,232 @@
+// clip_grad_norm_: one norm over the data-parallel mesh. Each gradient is
+// assigned to a bucket: "local" (counted by this rank alone: replicated,
+// plain, or sharded over a group of one) or the shard group of its unit
+// (summed over that group). Each bucket reduces to one scalar per rank, and
+// one all-reduce per non-local bucket combines them.
+#include "fsdp/clip_grad.h"
+
+#include "fsdp/errors.h"
+#include "fsdp_state.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+namespace fsdp {
+namespace {
+
+std::string num_str(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+void check_norm_type(const char* fn, double norm_type) {
+  if (std::isnan(norm_type) || norm_type <= 0) {
+    throw ArgumentError("norm_type", std::string(fn) + ": 'norm_type' = " + num_str(norm_type) +
+                                         "; accepted: a number > 0 (2.0 for the 2-norm) or "
+                                         "infinity");
+  }
+}
+
+void check_max_norm(const char* fn, double max_norm) {
+  if (std::isnan(max_norm) || max_norm <= 0) {
+    throw ArgumentError("max_norm", std::string(fn) + ": 'max_norm' = " + num_str(max_norm) +
+                                        "; accepted: a number > 0 (infinity: measure only)");
+  }
+}
+
+void check_defined(const char* fn, const char* arg, const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined()) {
+      throw ArgumentError(arg, std::string(fn) + ": '" + arg + "'[" + std::to_string(i) +
+                                   "] is an undefined tensor; accepted: parameters");
+    }
+  }
+}
+
+// Every parameter of the units' modules (nested units and plain parameters
+// included), then the extra ones.
+std::vector<at::Tensor> collect(const char* fn, const std::vector<FSDPModule>& modules,
+                                const std::vector<at::Tensor>& extra_params) {
+  check_defined(fn, "extra_params", extra_params);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    std::shared_ptr<torch::nn::Module> module;
+    try {
+      module = modules[i].module();
+    } catch (const StateError&) {
+      module = nullptr;
+    }
+    const auto unit = module ? detail::unit_for_module(*module) : nullptr;
+    if (!unit) {
+      throw ArgumentError("modules", std::string(fn) + ": 'modules'[" + std::to_string(i) +
+                                         "] refers to no sharded module; pass FSDPModules "
+                                         "returned by fully_shard");
+    }
+    // A unit over several modules: FSDPModule::module() is only the first.
+    for (const auto& weak : unit->modules) {
+      if (auto m = weak.lock()) {
+        for (const auto& p : m->parameters(/*recurse=*/true)) out.push_back(p);
+      }
+    }
+  }
+  out.insert(out.end(), extra_params.begin(), extra_params.end());
+  return out;
+}
+
+struct Bucket {
+  ProcessGroupPtr group;  // null: counted on this rank only
+  std::vector<at::Tensor> grads;
+};
+
+struct Plan {
+  std::vector<Bucket> buckets;    // [0] is the local bucket
+  std::vector<at::Tensor> grads;  // every gradient counted, once each
+};
+
+// Sorts the parameters' gradients into buckets. Buckets are created for
+// every managed parameter, with or without a gradient, so that every rank
+// issues the same all-reduces even where a gradient is missing on some.
+Plan make_plan(const char* fn, const std::vector<at::Tensor>& parameters) {
+  struct Owner {
+    UnitState* unit;
+    const detail::ShardedParam* param;
+  };
+  std::unordered_map<const c10::TensorImpl*, Owner> owners;
+  for (const auto& u : detail::live_units()) {
+    for (const auto& p : u->group.params()) {
+      owners[p.param().unsafeGetTensorImpl()] = {u.get(), &p};
+    }
+  }
+  Plan plan;
+  plan.buckets.emplace_back();
+  std::map<std::string, size_t> bucket_of_group;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::unordered_set<UnitState*> finished;
+  for (const auto& t : parameters) {
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    size_t bucket = 0;
+    auto it = owners.find(t.unsafeGetTensorImpl());
+    if (it != owners.end()) {
+      UnitState* unit = it->second.unit;
+      const detail::ShardedParam& p = *it->second.param;
+      if (finished.insert(unit).second) unit->group.finish_reduce();
+      if (unit->group.unsharded() && p.requires_grad()) {
+        throw StateError(std::string(fn) + ": parameter '" + p.name() +
+                         "' is unsharded, so its sharded gradient is set aside (e.g. after a "
+                         "backward with set_reshard_after_backward(false)); call reshard() on "
+                         "its unit first");
+      }
+      const ProcessGroupPtr& shard_group = unit->group.shard_group();
+      if (p.is_sharded_placement() && shard_group->size() > 1) {
+        auto [pos, added] = bucket_of_group.emplace(shard_group->name(), plan.buckets.size());
+        if (added) plan.buckets.push_back({shard_group, {}});
+        bucket = pos->second;
+      }
+    }
+    const at::Tensor& g = t.grad();
+    if (!g.defined()) continue;
+    plan.buckets[bucket].grads.push_back(g);
+    plan.grads.push_back(g);
+  }
+  return plan;
+}
+
+// This rank's share of one bucket: sum of |g|^p, or max |g| for p = inf.
+// Per-tensor norms are taken on the gradients' devices (fp32 at least) and
+// combined in double on the host: one copy per device.
+double local_share(const std::vector<at::Tensor>& grads, double p) {
+  const bool inf = std::isinf(p);
+  std::map<std::string, std::vector<at::Tensor>> by_device;
+  for (const auto& g : grads) {
+    if (g.numel() == 0) continue;  // empty shards (trailing ranks); inf-norm has no identity
+    const auto dtype = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    by_device[g.device().str()].push_back(
+        at::linalg_vector_norm(g.detach(), p, c10::nullopt, false, dtype).to(at::kDouble));
+  }
+  double share = 0;
+  for (auto& [device, norms] : by_device) {
+    const at::Tensor n = at::stack(norms).cpu();
+    share = inf ? std::max(share, n.max().item<double>()) : share + n.pow(p).sum().item<double>();
+  }
+  return share;
+}
+
+double total_norm(const Plan& plan, double p) {
+  const bool inf = std::isinf(p);
+  double total = 0;
+  for (const auto& b : plan.buckets) {
+    double share = local_share(b.grads, p);
+    if (b.group) {
+      at::Tensor t = at::full({1}, share, at::TensorOptions().dtype(at::kDouble));
+      b.group->all_reduce(t, inf ? ReduceOp::MAX : ReduceOp::SUM);
+      share = t.item<double>();
+    }
+    total = inf ? std::max(total, share) : total + share;
+  }
+  return inf ? total : std::pow(total, 1.0 / p);
+}
+
+double clip(const char* fn, const std::vector<at::Tensor>& parameters, double max_norm,
+            double norm_type, bool error_if_nonfinite) {
+  const Plan plan = make_plan(fn, parameters);
+  const double total = total_norm(plan, norm_type);
+  if (error_if_nonfinite && !std::isfinite(total)) {
+    throw ArgumentError("parameters",
+                        std::string(fn) + ": the total norm of order " + num_str(norm_type) +
+                            " of the gradients is " + num_str(total) +
+                            "; with error_if_nonfinite the gradients must be finite");
+  }
+  // torch's rule: scale whenever the coefficient is below 1 (or NaN, which
+  // then propagates into the gradients as in torch).
+  const double coef = max_norm / (total + 1e-6);
+  if (!(coef >= 1.0)) {
+    at::NoGradGuard no_grad;
+    for (const auto& g : plan.grads) g.mul_(coef);
+  }
+  return total;
+}
+
+}  // namespace
+
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                       double norm_type, bool error_if_nonfinite) {
+  const char* fn = "clip_grad_norm_";
+  check_max_norm(fn, max_norm);
+  check_norm_type(fn, norm_type);
+  check_defined(fn, "parameters", parameters);
+  return clip(fn, parameters, max_norm, norm_type, error_if_nonfinite);
+}
+
+double clip_grad_norm_(const std::vector<FSDPModule>& modules,
+                       const std::vector<at::Tensor>& extra_params, double max_norm,
+                       double norm_type, bool error_if_nonfinite) {
+  const char* fn = "clip_grad_norm_";
+  check_max_norm(fn, max_norm);
+  check_norm_type(fn, norm_type);
+  return clip(fn, collect(fn, modules, extra_params), max_norm, norm_type, error_if_nonfinite);
+}
+
+double total_grad_norm(const std::vector<at::Tensor>& parameters, double norm_type) {
+  const char* fn = "total_grad_norm";
+  check_norm_type(fn, norm_type);
+  check_defined(fn, "parameters", parameters);
+  return total_norm(make_plan(fn, parameters), norm_type);
+}
+
+double total_grad_norm(const std::vector<FSDPModule>& modules,
+                       const std::vector<at::Tensor>& extra_params, double norm_type) {
+  const char* fn = "total_grad_norm";
+  check_norm_type(fn, norm_type);
+  return total_norm(make_plan(fn, collect(fn, modules, extra_params)), norm_type);
+}
+
+}  // namespace fsdp
