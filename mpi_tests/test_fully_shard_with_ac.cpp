@@ -407,7 +407,7 @@ BOOST_AUTO_TEST_CASE(test_selective_ac_fsdp) {
   auto s = make_fsdp(31, c);
   auto ref = make_ref(31, c);
   const int64_t marked = fsdp::apply_activation_checkpointing(
-      s.net.ptr(), fsdp::checkpoint_every_nth(2, fsdp::CheckpointOptions{},
+      s.net.ptr(), fsdp::checkpoint_every_nth(2,
                                               [](const torch::nn::Module& m) {
                                                 return dynamic_cast<const BlockImpl*>(&m) !=
                                                        nullptr;
@@ -707,8 +707,11 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
         .backward();
     BOOST_TEST(diff(lin->weight.grad(), expected) == 0.0);
   }
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint_every_nth(0), fsdp::ArgumentError,
+  const auto any_module = [](const torch::nn::Module&) { return true; };
+  BOOST_CHECK_EXCEPTION(fsdp::checkpoint_every_nth(0, any_module), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) { return names(e, "n"); });
+  BOOST_CHECK_EXCEPTION(fsdp::checkpoint_every_nth(1, nullptr), fsdp::ArgumentError,
+                        [](const fsdp::ArgumentError& e) { return names(e, "filter"); });
   BOOST_CHECK_EXCEPTION(
       fsdp::apply_activation_checkpointing(nullptr, fsdp::checkpoint_names({"a"})),
       fsdp::ArgumentError, [](const fsdp::ArgumentError& e) { return names(e, "root"); });

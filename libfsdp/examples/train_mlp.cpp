@@ -1,5 +1,6 @@
-// The README's example: shard a model block by block, then the root, and
-// train it with a stock LibTorch optimizer. Run: mpiexec -n 2 ./train_mlp
+// The README's example: shard a model block by block, then the root,
+// checkpoint the blocks' activations, clip the global gradient norm, and
+// train with a stock LibTorch optimizer. Run: mpiexec -n 2 ./train_mlp
 #include <fsdp/fsdp.h>
 
 #include <torch/nn/modules/container/sequential.h>
@@ -9,7 +10,9 @@
 
 #include <iostream>
 
-// A user-written block: its parent holds it as fsdp::Sharded<Block>.
+// A user-written block: its parent holds it as
+// fsdp::Checkpointed<fsdp::Sharded<Block>> (checkpointed when marked, routed
+// through its FSDP unit when sharded; either holder just forwards otherwise).
 struct BlockImpl : torch::nn::Module {
   BlockImpl() : fc(register_module("fc", torch::nn::Linear(64, 64))) {}
   torch::Tensor forward(torch::Tensor x) { return x + torch::relu(fc(x)); }
@@ -26,10 +29,10 @@ struct NetImpl : torch::nn::Module {
                                                           torch::nn::Linear(32, 1)));
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& b : blocks) x = b(x);  // routed through the block's FSDP unit
+    for (auto& b : blocks) x = b(x);  // checkpoint + FSDP unit, by the holder
     return head->forward(x);
   }
-  std::vector<fsdp::Sharded<Block>> blocks;
+  std::vector<fsdp::Checkpointed<fsdp::Sharded<Block>>> blocks;
   torch::nn::Sequential head{nullptr};
 };
 TORCH_MODULE(Net);
@@ -43,6 +46,11 @@ int main(int argc, char** argv) {
   for (auto& b : net->blocks) fsdp::fully_shard(b, options);
   fsdp::fully_shard(net->head[0], options);  // a Sequential child
   fsdp::Sharded<Net> model = fsdp::fully_shard(net, options);  // the root, last
+  // Recompute every block's activations in backward instead of keeping them.
+  fsdp::apply_activation_checkpointing(
+      net.ptr(), fsdp::checkpoint_every_nth(1, [](const torch::nn::Module& m) {
+        return dynamic_cast<const BlockImpl*>(&m) != nullptr;
+      }));
 
   // The optimizer steps the local shards directly.
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -53,8 +61,12 @@ int main(int argc, char** argv) {
     opt.zero_grad();
     auto loss = (model(x) - y).pow(2).mean();
     loss.backward();
+    const double norm = fsdp::clip_grad_norm_(net->parameters(), /*max_norm=*/1.0);
     opt.step();
-    if (rt.world_rank() == 0) std::cout << "step " << step << " loss " << loss.item<float>() << "\n";
+    if (rt.world_rank() == 0) {
+      std::cout << "step " << step << " loss " << loss.item<float>() << " grad norm " << norm
+                << "\n";
+    }
   }
   return 0;
 }

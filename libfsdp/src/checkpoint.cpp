@@ -415,8 +415,9 @@ int64_t apply_activation_checkpointing(const std::shared_ptr<torch::nn::Module>&
   return marked;
 }
 
-CheckpointPolicy checkpoint_every_nth(int64_t n, CheckpointOptions options,
-                                      std::function<bool(const torch::nn::Module&)> filter) {
+CheckpointPolicy checkpoint_every_nth(int64_t n,
+                                      std::function<bool(const torch::nn::Module&)> filter,
+                                      CheckpointOptions options) {
   if (n < 1) {
     throw ArgumentError("n", "checkpoint_every_nth: 'n' = " + std::to_string(n) +
                                  "; accepted: n >= 1");

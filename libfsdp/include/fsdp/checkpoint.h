@@ -174,8 +174,9 @@ int64_t apply_activation_checkpointing(const std::shared_ptr<torch::nn::Module>&
 // holds, in named_modules() order (e.g. filter = "is a Block": every other
 // block for n = 2). Errors: n < 1 -> ArgumentError("n"); empty filter ->
 // ArgumentError("filter").
-CheckpointPolicy checkpoint_every_nth(int64_t n, CheckpointOptions options = {},
-                                      std::function<bool(const torch::nn::Module&)> filter = {});
+CheckpointPolicy checkpoint_every_nth(int64_t n,
+                                      std::function<bool(const torch::nn::Module&)> filter,
+                                      CheckpointOptions options = {});
 // Exactly the modules with these names.
 CheckpointPolicy checkpoint_names(std::vector<std::string> names, CheckpointOptions options = {});
 
