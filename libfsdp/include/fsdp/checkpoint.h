@@ -65,6 +65,7 @@
 #pragma once
 
 #include "fsdp/errors.h"
+#include "fsdp/module_holder.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -237,17 +238,17 @@ std::vector<at::Tensor> module_params(const torch::nn::Module& module);
 // the checkpoint's inputs; other arguments are copied into the recompute.
 // The forward must return one at::Tensor.
 template <typename M>
-class Checkpointed {
+class Checkpointed : public detail::HolderWrapper<M> {
  public:
-  Checkpointed() : holder_(nullptr) {}
-  Checkpointed(std::nullptr_t) : holder_(nullptr) {}  // NOLINT: mirrors ModuleHolder
+  Checkpointed() : detail::HolderWrapper<M>(nullptr) {}
+  Checkpointed(std::nullptr_t) : detail::HolderWrapper<M>(nullptr) {}  // NOLINT: mirrors ModuleHolder
   // From M itself or from anything M is built from (register_module's
   // shared_ptr<Impl>, the plain holder for Checkpointed<Sharded<X>>).
   template <typename T, typename = std::enable_if_t<
                             !std::is_same_v<std::decay_t<T>, Checkpointed> &&
                             !std::is_same_v<std::decay_t<T>, std::nullptr_t> &&
                             std::is_constructible_v<M, T&&>>>
-  Checkpointed(T&& from) : holder_(std::forward<T>(from)) {}  // NOLINT: implicit like M
+  Checkpointed(T&& from) : detail::HolderWrapper<M>(M(std::forward<T>(from))) {}  // NOLINT: implicit like M
 
   template <typename... Args>
   at::Tensor forward(Args&&... args) {
@@ -256,12 +257,12 @@ class Checkpointed {
           !std::is_same_v<std::decay_t<Args>, std::optional<at::Tensor>>) && ...),
         "fsdp::Checkpointed<M>: pass tensors as separate at::Tensor arguments (containers of "
         "tensors would be kept alive and get no gradient through the checkpoint)");
-    if (holder_.is_empty()) {
+    if (this->holder_.is_empty()) {
       throw StateError("fsdp::Checkpointed<M>: forward on an empty holder; assign the module "
                        "(e.g. from register_module) first");
     }
-    auto options = detail::checkpoint_options_for(*holder_.ptr());
-    if (!options) return holder_(std::forward<Args>(args)...);
+    auto options = detail::checkpoint_options_for(*this->holder_.ptr());
+    if (!options) return this->holder_(std::forward<Args>(args)...);
     std::vector<at::Tensor> inputs;
     (
         [&](auto&& a) {
@@ -270,28 +271,17 @@ class Checkpointed {
         ...);
     constexpr auto slots = detail::tensor_slots<Args...>();
     auto kept = std::make_tuple(detail::keep_arg(std::forward<Args>(args))...);
-    M holder = holder_;
+    M holder = this->holder_;
     CheckpointFunction fn = [holder, kept, slots](const std::vector<at::Tensor>& in) mutable {
       return detail::call_with_inputs(holder, kept, in, slots,
                                       std::index_sequence_for<Args...>{});
     };
-    return checkpoint(fn, inputs, detail::module_params(*holder_.ptr()), *options);
+    return checkpoint(fn, inputs, detail::module_params(*this->holder_.ptr()), *options);
   }
   template <typename... Args>
   at::Tensor operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
   }
-
-  auto* operator->() { return holder_.operator->(); }
-  const auto* operator->() const { return holder_.operator->(); }
-  auto ptr() const { return holder_.ptr(); }
-  M& holder() { return holder_; }
-  const M& holder() const { return holder_; }
-  bool is_empty() const { return holder_.is_empty(); }
-  operator std::shared_ptr<torch::nn::Module>() const { return holder_.ptr(); }  // NOLINT
-
- private:
-  M holder_;
 };
 
 }  // namespace fsdp

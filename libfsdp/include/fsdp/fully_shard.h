@@ -37,6 +37,7 @@
 
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
+#include "fsdp/module_holder.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -246,22 +247,22 @@ T finish(const std::shared_ptr<UnitState>& unit, T out) {
 // Module holder that routes forward through the FSDP unit of its module.
 // M is a LibTorch module holder (torch::nn::Linear, or TORCH_MODULE(Block)).
 template <typename M>
-class Sharded {
+class Sharded : public detail::HolderWrapper<M> {
  public:
-  Sharded() : holder_(nullptr) {}
-  Sharded(std::nullptr_t) : holder_(nullptr) {}  // NOLINT: mirrors ModuleHolder
-  Sharded(M holder) : holder_(std::move(holder)) {}  // NOLINT: implicit like ModuleHolder
+  Sharded() : detail::HolderWrapper<M>(nullptr) {}
+  Sharded(std::nullptr_t) : detail::HolderWrapper<M>(nullptr) {}  // NOLINT: like ModuleHolder
+  Sharded(M holder) : detail::HolderWrapper<M>(std::move(holder)) {}  // NOLINT: implicit
   // What register_module returns for a holder.
   Sharded(std::shared_ptr<typename M::ContainedType> impl)  // NOLINT: implicit
-      : holder_(std::move(impl)) {}
+      : detail::HolderWrapper<M>(M(std::move(impl))) {}
 
   template <typename... Args>
   auto forward(Args&&... args) {
     std::shared_ptr<UnitState> unit;
-    if (!detail::begin_forward(*holder_, unit)) {
-      return holder_->forward(std::forward<Args>(args)...);
+    if (!detail::begin_forward(*this->holder_, unit)) {
+      return this->holder_->forward(std::forward<Args>(args)...);
     }
-    auto out = holder_->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
+    auto out = this->holder_->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
     out = detail::finish(unit, std::move(out));
     detail::end_forward(unit);
     return out;
@@ -270,17 +271,6 @@ class Sharded {
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
   }
-
-  auto* operator->() { return holder_.get(); }
-  const auto* operator->() const { return holder_.get(); }
-  auto ptr() const { return holder_.ptr(); }
-  M& holder() { return holder_; }
-  const M& holder() const { return holder_; }
-  bool is_empty() const { return holder_.is_empty(); }
-  operator std::shared_ptr<torch::nn::Module>() const { return holder_.ptr(); }  // NOLINT
-
- private:
-  M holder_;
 };
 
 // Typed convenience for the root: shards `holder`'s module and returns the
