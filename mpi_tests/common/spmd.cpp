@@ -9,6 +9,7 @@
 #include <boost/test/unit_test_log.hpp>
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -75,9 +76,14 @@ class Watchdog {
       }
       if (cv_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ &&
           Clock::now() >= deadline_) {
-        std::cerr << "[watchdog] rank " << rank() << ": test case '" << case_ << "' exceeded "
-                  << seconds_ << " s (FSDP_TEST_TIMEOUT); pending collectives: "
-                  << fsdp::describe_pending_collectives() << "; aborting the MPI job" << std::endl;
+        // One write() per report: stuck ranks fire together, and chained
+        // stream output from several processes interleaves mid-line.
+        std::ostringstream msg;
+        msg << "[watchdog] rank " << rank() << ": test case '" << case_ << "' exceeded "
+            << seconds_ << " s (FSDP_TEST_TIMEOUT); pending collectives: "
+            << fsdp::describe_pending_collectives() << "; aborting the MPI job\n";
+        const std::string text = msg.str();
+        [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, text.data(), text.size());
         // Give the other stuck ranks a moment to report too before the job dies.
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
         MPI_Abort(MPI_COMM_WORLD, 124);
@@ -133,8 +139,9 @@ class CaseFixture : public utf::test_unit_fixture {
       summary = rank() == 0 ? std::string("see the log above") : g_rank_log.str();
       if (summary.size() > 4000) summary = summary.substr(0, 4000) + "...";
       if (rank() != 0) {
-        std::cerr << "[rank " << rank() << "] test case '" << current_name() << "' failed:\n"
-                  << g_rank_log.str() << std::flush;
+        const std::string text = "[rank " + std::to_string(rank()) + "] test case '" +
+                                 current_name() + "' failed:\n" + g_rank_log.str();
+        [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, text.data(), text.size());
       }
     }
     std::vector<int> lengths;
