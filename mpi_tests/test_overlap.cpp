@@ -65,7 +65,10 @@ double max_over_ranks(double t) {
 // suite runs unbound (--bind-to none): bound to one core, rank 0's comm
 // thread, spinning inside MPI while it waits for the peers, would take that
 // core from the compute.
-BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute) {
+// Labelled "perf": on a shared 2-core VM its timing margin (~15-20%) is
+// within the noise often enough to fail now and then, so CI's `cpu` run
+// skips it; `ctest -L perf` runs it (see mpi_tests/CMakeLists.txt).
+BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label("perf")) {
   auto group = fsdp::world_group();
   auto big = at::ones({32 * 1024 * 1024}, at::kFloat);  // 128 MiB
   const bool computes = spmd::rank() == 0;
