@@ -25,6 +25,9 @@ struct StepContext {
   std::mutex mu;
   std::vector<std::shared_ptr<UnitState>> units;
   int64_t next_id = 0;
+  // Bumped whenever the set of units changes; is_root() answers are cached
+  // per unit against it, since a forward asks once per unit.
+  uint64_t generation = 0;
   Phase phase = Phase::Idle;
   std::vector<std::weak_ptr<UnitState>> forward_order;
   bool callback_queued = false;
@@ -138,6 +141,7 @@ void register_unit(const std::shared_ptr<UnitState>& unit) {
                              [](const std::shared_ptr<UnitState>& u) { return !u->alive(); }),
               units.end());
   units.push_back(unit);
+  ++ctx().generation;
 }
 
 bool is_managed(const at::Tensor& param) {
@@ -153,10 +157,15 @@ bool is_managed(const at::Tensor& param) {
 int64_t next_unit_id() { return ctx().next_id++; }
 
 bool is_root(const UnitState& unit) {
-  for (auto& other : ctx().units) {
-    if (other.get() != &unit && other->alive() && other->contains(unit)) return false;
+  StepContext& c = ctx();
+  if (unit.root_generation == c.generation) return unit.root_cached;
+  bool root = true;
+  for (auto& other : c.units) {
+    if (other.get() != &unit && other->alive() && other->contains(unit)) root = false;
   }
-  return true;
+  unit.root_cached = root;
+  unit.root_generation = c.generation;
+  return root;
 }
 
 void intercept_sequential_children(torch::nn::Module& module) {

@@ -43,6 +43,10 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   int64_t grads_ready = 0;
   int64_t grads_expected = 0;
 
+  // detail::is_root()'s cache, valid while the unit set is unchanged.
+  mutable uint64_t root_generation = ~uint64_t{0};
+  mutable bool root_cached = false;
+
   bool alive() const;
   // Whether `other`'s modules lie inside this unit's modules.
   bool contains(const UnitState& other) const;
