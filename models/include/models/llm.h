@@ -1,0 +1,67 @@
+// Decoder-only language model: token embedding, N decoder layers (each an
+// FSDP-ready fsdp::Checkpointed<fsdp::Sharded<DecoderLayer>>: unsharded and
+// un-checkpointed it simply forwards), final RMSNorm, and an output layer
+// that is either weight-tied to the embedding (the tied pair then lives in
+// the model's own, root, unit) or a separate Linear.
+#pragma once
+
+#include "models/layers.h"
+
+#include <fsdp/checkpoint.h>
+#include <fsdp/fully_shard.h>
+
+#include <torch/nn/modules/embedding.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace models {
+
+struct DecoderConfig {
+  int64_t vocab = 1024;
+  int64_t hidden = 256;
+  int64_t heads = 4;
+  int64_t layers = 4;
+  int64_t ffn = 0;  // 0: SwiGLU's 2/3 * 4 * hidden, rounded up to a multiple of 64
+  int64_t seq = 128;
+  bool tie_output = true;
+
+  int64_t ffn_dim() const;
+};
+
+struct DecoderImpl : torch::nn::Module {
+  explicit DecoderImpl(const DecoderConfig& config);
+
+  // tokens [batch, seq] (int64) -> logits [batch, seq, vocab].
+  at::Tensor forward(const at::Tensor& tokens);
+  // Multimodal prefix: visual [levels, batch, n_visual, hidden]. The last
+  // level is prepended to the token embeddings; level i < levels-1 is added
+  // to the visual positions after decoder layer i (DeepStack). Returns the
+  // logits of the text positions only, [batch, seq, vocab].
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& visual);
+  // Chunked cross-entropy over `chunk_tokens` tokens at a time: returns
+  // {total, per-chunk losses [n_chunks]}, each chunk's loss being its summed
+  // CE divided by the number of tokens, so they sum to `total` (the mean CE).
+  // Each chunk's logits are recomputed in backward, never all held at once.
+  std::vector<at::Tensor> forward(const at::Tensor& tokens, const at::Tensor& targets,
+                                  int64_t chunk_tokens);
+
+  at::Tensor output_weight() const;
+
+  DecoderConfig config;
+  torch::nn::Embedding embed{nullptr};
+  std::vector<fsdp::Checkpointed<fsdp::Sharded<DecoderLayer>>> layers;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear output{nullptr};  // null when tied
+
+ private:
+  at::Tensor trunk(at::Tensor h, const std::optional<at::Tensor>& visual);
+};
+TORCH_MODULE(Decoder);
+
+// Mean next-token cross-entropy of logits [batch, seq, vocab] against
+// targets [batch, seq].
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace models

@@ -1,0 +1,112 @@
+// The reference cases of the test plan's Level 3 (real networks) and the one
+// runner that trains them under every layout the suite compares:
+//
+//   Single  one process, fp32: what fsdp-reference caches in HDF5;
+//   DDP     an independent data-parallel baseline (full replicas, gradients
+//           all-reduced with MPI_Allreduce after backward -- no libfsdp code);
+//   FSDP    fully_shard per block and per sub-model root on a 1-D (FSDP) or
+//           2-D (replicate, shard) HSDP mesh.
+//
+// Every layout sees the same global batch per step (each rank takes its
+// slice) and the same initial weights (from the case's seed), steps AdamW,
+// and records per step the loss, the global gradient norm, named sub-norms,
+// per-chunk losses (chunked CE) and the full values of the gradients and
+// post-step parameters the plan's assertions name. Records are global: the
+// mean loss over the global batch, norms over the whole model.
+#pragma once
+
+#include <fsdp/fully_shard.h>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ref {
+
+enum class Layout { Single, DDP, FSDP };
+
+struct RunSpec {
+  Layout layout = Layout::Single;
+  // FSDP: {world} (1-D) or {replicate, shard} (HSDP); product = world size.
+  std::vector<int64_t> mesh_shape;
+  bool reshard_after_forward = true;
+  // Also record what record_params names after each optimizer step.
+  bool record_params = true;
+};
+
+struct StepRecord {
+  double loss = 0;
+  double grad_norm = 0;
+  std::map<std::string, double> norms;     // sub-model / layer gradient norms
+  std::vector<double> chunk_losses;        // chunked CE only, global chunk order
+  std::map<std::string, at::Tensor> grads;   // full gradients (fp32, CPU)
+  std::map<std::string, at::Tensor> params;  // full parameters after the step
+};
+
+struct RunRecord {
+  std::vector<StepRecord> steps;
+};
+
+// What a case's forward produced on this rank's slice.
+struct LocalLoss {
+  at::Tensor loss;          // mean over the local slice (what backward starts from)
+  at::Tensor chunk_losses;  // [chunks] local, each a share of `loss` (optional)
+};
+
+// A sharded unit and the prefix of its module's parameter names in the model.
+struct Unit {
+  std::string prefix;
+  fsdp::FSDPModule module;
+};
+
+class Case {
+ public:
+  virtual ~Case() = default;
+  // File stem of the reference: data/reference/<device>/<name>.h5.
+  virtual std::string name() const = 0;
+  // Test-plan ids this reference serves.
+  virtual std::vector<std::string> plan_ids() const = 0;
+  // Everything that determines the numbers: model dimensions, seed, steps,
+  // global batch, optimizer. Its hash marks a cached reference stale.
+  virtual nlohmann::json config() const = 0;
+  // The model, initialised from the seed (same on every rank).
+  virtual std::shared_ptr<torch::nn::Module> build() const = 0;
+  // Applies fully_shard bottom-up (blocks, sub-model roots, the root last)
+  // with `options` as the base, and returns every unit.
+  virtual std::vector<Unit> shard(const std::shared_ptr<torch::nn::Module>& model,
+                                  const fsdp::FullyShardOptions& options) const = 0;
+  // Forward on this rank's slice of step `step`'s global batch.
+  virtual LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step,
+                            int64_t rank, int64_t world) const = 0;
+  // Parameters (full names) whose gradients and post-step values are recorded.
+  virtual std::vector<std::string> recorded() const = 0;
+  // Named gradient norms: name -> parameter-name prefixes it covers.
+  virtual std::map<std::string, std::vector<std::string>> sub_norms() const { return {}; }
+
+  int64_t steps() const;
+  double lr() const;
+  // Global batch size (sequences / images per step); divisible by 4.
+  int64_t global_batch() const;
+};
+
+// Registered cases, by name: llm_decoder, chunked_ce, vit, multimodal.
+std::vector<std::string> case_names();
+// ArgumentError-style std::invalid_argument naming the known cases.
+std::unique_ptr<Case> make_case(const std::string& name);
+
+// Hex digest of config() (what a reference file stores).
+std::string config_hash(const Case& c);
+
+// Trains c.steps() steps under `spec`. DDP/FSDP are collective over
+// MPI_COMM_WORLD; Single uses this process only. Returns the same global
+// record on every rank.
+RunRecord run(const Case& c, const RunSpec& spec);
+
+}  // namespace ref

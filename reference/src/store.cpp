@@ -1,0 +1,208 @@
+#include "reference/store.h"
+
+#include <ATen/ATen.h>
+#include <H5Cpp.h>
+#include <dlfcn.h>
+#include <torch/version.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#ifndef FSDP_REFERENCE_DIR
+#error "FSDP_REFERENCE_DIR must name the source tree's data/reference"
+#endif
+
+namespace ref {
+
+namespace {
+
+const char* kRegenerate =
+    "regenerate with `cmake --build build --target regenerate-references` "
+    "(or `build/reference/fsdp-reference --case %s`)";
+
+void write_string_attr(H5::H5Object& obj, const std::string& name, const std::string& value) {
+  H5::StrType type(H5::PredType::C_S1, value.empty() ? 1 : value.size());
+  H5::Attribute a = obj.createAttribute(name, type, H5::DataSpace(H5S_SCALAR));
+  a.write(type, value.empty() ? std::string(" ") : value);
+}
+
+std::string read_string_attr(const H5::H5Object& obj, const std::string& name) {
+  if (!obj.attrExists(name)) return "";
+  H5::Attribute a = obj.openAttribute(name);
+  std::string out;
+  a.read(a.getStrType(), out);
+  return out == " " ? "" : out;
+}
+
+void write_doubles(H5::Group& g, const std::string& name, const std::vector<double>& v,
+                   std::vector<hsize_t> dims = {}) {
+  if (dims.empty()) dims = {v.size()};
+  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
+  g.createDataSet(name, H5::PredType::IEEE_F64LE, space).write(v.data(), H5::PredType::NATIVE_DOUBLE);
+}
+
+std::vector<double> read_doubles(const H5::Group& g, const std::string& name,
+                                 std::vector<hsize_t>* dims_out = nullptr) {
+  H5::DataSet ds = g.openDataSet(name);
+  H5::DataSpace space = ds.getSpace();
+  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
+  space.getSimpleExtentDims(dims.data());
+  std::vector<double> v(static_cast<size_t>(space.getSimpleExtentNpoints()));
+  ds.read(v.data(), H5::PredType::NATIVE_DOUBLE);
+  if (dims_out) *dims_out = dims;
+  return v;
+}
+
+void write_tensor(H5::Group& g, const std::string& name, const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
+  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
+  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
+  g.createDataSet(name, H5::PredType::IEEE_F32LE, space).write(c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
+}
+
+at::Tensor read_tensor(const H5::Group& g, const std::string& name) {
+  H5::DataSet ds = g.openDataSet(name);
+  H5::DataSpace space = ds.getSpace();
+  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
+  space.getSimpleExtentDims(dims.data());
+  std::vector<int64_t> sizes(dims.begin(), dims.end());
+  at::Tensor t = at::empty(sizes, at::kFloat);
+  ds.read(t.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
+  return t;
+}
+
+std::vector<std::string> members(const H5::Group& g) {
+  std::vector<std::string> out;
+  for (hsize_t i = 0; i < g.getNumObjs(); ++i) out.push_back(g.getObjnameByIdx(i));
+  return out;
+}
+
+std::string regenerate_hint(const std::string& case_name) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, kRegenerate, case_name.c_str());
+  return buf;
+}
+
+}  // namespace
+
+std::string default_reference_dir() { return FSDP_REFERENCE_DIR; }
+
+std::string reference_path(const std::string& dir, const std::string& device,
+                           const std::string& case_name) {
+  return dir + "/" + device + "/" + case_name + ".h5";
+}
+
+std::string blas_core_name() {
+  using CoreName = char* (*)();
+  if (auto fn = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"))) {
+    if (const char* s = fn()) return s;
+  }
+  return "";
+}
+
+void write_reference(const std::string& path, const Case& c, const RunRecord& record) {
+  namespace fs = std::filesystem;
+  fs::create_directories(fs::path(path).parent_path());
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    H5::H5File file(tmp, H5F_ACC_TRUNC);
+    H5::Group root = file.openGroup("/");
+    write_string_attr(root, "case", c.name());
+    std::string ids;
+    for (const auto& id : c.plan_ids()) ids += (ids.empty() ? "" : ",") + id;
+    write_string_attr(root, "plan_ids", ids);
+    write_string_attr(root, "config", c.config().dump());
+    write_string_attr(root, "config_hash", config_hash(c));
+    write_string_attr(root, "libtorch_version", TORCH_VERSION);
+    write_string_attr(root, "blas_core", blas_core_name());
+    write_string_attr(root, "generator", "fsdp-reference (libfsdp), single process, fp32, 1 thread");
+
+    std::vector<double> loss, norm, chunks;
+    std::map<std::string, std::vector<double>> norms;
+    size_t n_chunks = 0;
+    for (const auto& s : record.steps) {
+      loss.push_back(s.loss);
+      norm.push_back(s.grad_norm);
+      for (const auto& [k, v] : s.norms) norms[k].push_back(v);
+      n_chunks = s.chunk_losses.size();
+      chunks.insert(chunks.end(), s.chunk_losses.begin(), s.chunk_losses.end());
+    }
+    write_doubles(root, "loss", loss);
+    write_doubles(root, "grad_norm", norm);
+    if (n_chunks > 0) write_doubles(root, "chunk_losses", chunks, {record.steps.size(), n_chunks});
+    if (!norms.empty()) {
+      H5::Group g = root.createGroup("norms");
+      for (const auto& [k, v] : norms) write_doubles(g, k, v);
+    }
+    for (size_t k = 0; k < record.steps.size(); ++k) {
+      H5::Group step = root.createGroup("step" + std::to_string(k));
+      H5::Group grads = step.createGroup("grad");
+      for (const auto& [name, t] : record.steps[k].grads) write_tensor(grads, name, t);
+      H5::Group params = step.createGroup("param");
+      for (const auto& [name, t] : record.steps[k].params) write_tensor(params, name, t);
+    }
+  }
+  fs::rename(tmp, path);
+}
+
+StoredReference read_reference_unchecked(const std::string& path) {
+  H5::H5File file(path, H5F_ACC_RDONLY);
+  H5::Group root = file.openGroup("/");
+  StoredReference out;
+  out.config_json = read_string_attr(root, "config");
+  out.config_hash = read_string_attr(root, "config_hash");
+  out.libtorch_version = read_string_attr(root, "libtorch_version");
+  out.blas_core = read_string_attr(root, "blas_core");
+  const auto loss = read_doubles(root, "loss");
+  const auto norm = read_doubles(root, "grad_norm");
+  out.record.steps.resize(loss.size());
+  std::vector<hsize_t> chunk_dims;
+  std::vector<double> chunks;
+  if (root.nameExists("chunk_losses")) chunks = read_doubles(root, "chunk_losses", &chunk_dims);
+  std::map<std::string, std::vector<double>> norms;
+  if (root.nameExists("norms")) {
+    H5::Group g = root.openGroup("norms");
+    for (const auto& k : members(g)) norms[k] = read_doubles(g, k);
+  }
+  for (size_t k = 0; k < loss.size(); ++k) {
+    StepRecord& s = out.record.steps[k];
+    s.loss = loss[k];
+    s.grad_norm = norm.at(k);
+    for (const auto& [name, v] : norms) s.norms[name] = v.at(k);
+    if (!chunks.empty()) {
+      const size_t n = chunk_dims.at(1);
+      s.chunk_losses.assign(chunks.begin() + static_cast<long>(k * n),
+                            chunks.begin() + static_cast<long>((k + 1) * n));
+    }
+    H5::Group step = root.openGroup("step" + std::to_string(k));
+    H5::Group grads = step.openGroup("grad");
+    for (const auto& name : members(grads)) s.grads[name] = read_tensor(grads, name);
+    H5::Group params = step.openGroup("param");
+    for (const auto& name : members(params)) s.params[name] = read_tensor(params, name);
+  }
+  return out;
+}
+
+StoredReference read_reference(const std::string& path, const Case& c) {
+  if (!std::filesystem::exists(path)) {
+    throw StaleReference("missing reference for " + c.name() + " (" + path + "): " +
+                         regenerate_hint(c.name()));
+  }
+  StoredReference out;
+  try {
+    out = read_reference_unchecked(path);
+  } catch (const H5::Exception& e) {
+    throw StaleReference("unreadable reference for " + c.name() + " (" + path + ": " +
+                         e.getDetailMsg() + "): " + regenerate_hint(c.name()));
+  }
+  const std::string want = config_hash(c);
+  if (out.config_hash != want) {
+    throw StaleReference("stale reference for " + c.name() + " (" + path + " has config hash " +
+                         out.config_hash + ", the case now hashes to " + want + "): " +
+                         regenerate_hint(c.name()));
+  }
+  return out;
+}
+
+}  // namespace ref
