@@ -1,0 +1,188 @@
+// Level-3 helpers: run a reference case under the FSDP, HSDP and DDP
+// layouts (reference/'s runner), load its cached single-card reference
+// (data/reference/cpu/<case>.h5, failing on a stale or missing one), and
+// compare records metric by metric into an l1::Report (worst error over
+// ranks printed as "[L3-xx] <what>: worst <err> (tol <tol>)").
+//
+// Baselines are the single-card reference and an independent DDP run --
+// never another FSDP run (plan rule 1); FSDP-vs-FSDP appears only in the
+// bitwise determinism check (rule 5: same process, same rank count).
+#pragma once
+
+#include "l1_util.h"
+#include "spmd.h"
+
+#include <reference/case.h>
+#include <reference/store.h>
+
+#include <boost/test/unit_test.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace l3 {
+
+inline void say(const std::string& text) {
+  BOOST_TEST_MESSAGE(text);
+  if (spmd::rank() == 0) std::cout << text << std::endl;
+}
+
+// The committed reference of `c`; a stale or missing one fails the case with
+// the regeneration command (never regenerated on the fly).
+inline ref::RunRecord load_reference(const ref::Case& c) {
+  const std::string path = ref::reference_path(ref::default_reference_dir(), "cpu", c.name());
+  try {
+    return ref::read_reference(path, c).record;
+  } catch (const ref::StaleReference& e) {
+    BOOST_FAIL(e.what());
+  }
+  return {};
+}
+
+inline std::string mesh_text(const ref::RunSpec& spec) {
+  if (spec.layout == ref::Layout::DDP) return "DDP";
+  if (spec.mesh_shape.size() == 1) return "FSDP 1-D (" + std::to_string(spec.mesh_shape[0]) + ")";
+  return "HSDP (" + std::to_string(spec.mesh_shape[0]) + "x" + std::to_string(spec.mesh_shape[1]) + ")";
+}
+
+inline ref::RunSpec fsdp(std::vector<int64_t> shape) {
+  ref::RunSpec s;
+  s.layout = ref::Layout::FSDP;
+  s.mesh_shape = std::move(shape);
+  return s;
+}
+
+inline ref::RunSpec ddp() {
+  ref::RunSpec s;
+  s.layout = ref::Layout::DDP;
+  return s;
+}
+
+inline ref::RunRecord timed_run(const ref::Case& c, const ref::RunSpec& spec) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ref::RunRecord r = ref::run(c, spec);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  say("  " + c.name() + " under " + mesh_text(spec) + ": " + std::to_string(r.steps.size()) +
+      " steps in " + std::to_string(s).substr(0, 5) + " s");
+  return r;
+}
+
+// Which parts of a record a comparison covers.
+struct Metrics {
+  bool loss = true;
+  bool grad_norm = true;
+  bool sub_norms = true;
+  bool chunks = true;
+  bool grads = true;
+  bool params = true;
+};
+
+inline double tensor_diff(const std::map<std::string, at::Tensor>& g,
+                          const std::map<std::string, at::Tensor>& w, const std::string& name) {
+  auto a = g.find(name);
+  auto b = w.find(name);
+  if (a == g.end() || b == w.end()) return l1::kInf;
+  return l1::diff(a->second, b->second);
+}
+
+// Every metric of every step of `got` against `want` at `tol`, labelled
+// "<label>: step k <metric>".
+inline void compare(l1::Report& report, const std::string& label, const ref::RunRecord& got,
+                    const ref::RunRecord& want, double tol, const Metrics& m = {}) {
+  BOOST_REQUIRE_EQUAL(got.steps.size(), want.steps.size());
+  for (size_t k = 0; k < got.steps.size(); ++k) {
+    const auto& g = got.steps[k];
+    const auto& w = want.steps[k];
+    const std::string at = label + ": step " + std::to_string(k) + " ";
+    if (m.loss) report.check(at + "loss", std::abs(g.loss - w.loss), tol);
+    if (m.grad_norm) report.check(at + "global grad norm", std::abs(g.grad_norm - w.grad_norm), tol);
+    if (m.sub_norms) {
+      for (const auto& [name, v] : w.norms) {
+        auto it = g.norms.find(name);
+        report.check(at + name + " grad norm", it == g.norms.end() ? l1::kInf : std::abs(it->second - v), tol);
+      }
+    }
+    if (m.chunks && !w.chunk_losses.empty()) {
+      double worst = g.chunk_losses.size() == w.chunk_losses.size() ? 0 : l1::kInf;
+      for (size_t i = 0; i < g.chunk_losses.size() && i < w.chunk_losses.size(); ++i) {
+        worst = std::max(worst, std::abs(g.chunk_losses[i] - w.chunk_losses[i]));
+      }
+      report.check(at + "per-chunk losses (" + std::to_string(w.chunk_losses.size()) + ")", worst, tol);
+    }
+    if (m.grads) {
+      for (const auto& [name, t] : w.grads) {
+        report.check(at + "grad " + name, tensor_diff(g.grads, w.grads, name), tol);
+      }
+    }
+    if (m.params) {
+      for (const auto& [name, t] : w.params) {
+        report.check(at + "param " + name + " after AdamW", tensor_diff(g.params, w.params, name), tol);
+      }
+    }
+  }
+}
+
+// Bitwise equality of two runs (rule 5): every scalar and tensor identical.
+inline void check_bitwise(l1::Report& report, const std::string& label, const ref::RunRecord& a,
+                          const ref::RunRecord& b) {
+  double worst = a.steps.size() == b.steps.size() ? 0 : l1::kInf;
+  for (size_t k = 0; k < a.steps.size() && k < b.steps.size(); ++k) {
+    const auto& x = a.steps[k];
+    const auto& y = b.steps[k];
+    auto upd = [&](double d) { if (!(d <= worst)) worst = d; };
+    upd(std::abs(x.loss - y.loss));
+    upd(std::abs(x.grad_norm - y.grad_norm));
+    for (const auto& [n, v] : x.norms) upd(y.norms.count(n) ? std::abs(v - y.norms.at(n)) : l1::kInf);
+    upd(x.chunk_losses == y.chunk_losses ? 0 : l1::kInf);
+    for (auto m : {&ref::StepRecord::grads, &ref::StepRecord::params}) {
+      for (const auto& [n, t] : x.*m) {
+        auto it = (y.*m).find(n);
+        upd(it == (y.*m).end() || !at::equal(t, it->second) ? l1::kInf : 0);
+      }
+    }
+  }
+  report.check(label + ": rerun in the same process bitwise identical", worst, 0.0);
+}
+
+}  // namespace l3
+
+namespace l3 {
+
+// One case under every layout the plan asks for.
+struct Runs {
+  std::string main_label, other_label;
+  ref::RunRecord single;     // cached single-card reference
+  ref::RunRecord main;       // the plan's mesh
+  ref::RunRecord again;      // the same, rerun in this process
+  ref::RunRecord other;      // the other mesh shape (1-D <-> 2-D)
+  ref::RunRecord ddp;        // independent data-parallel baseline
+};
+
+inline Runs run_layouts(const ref::Case& c, const ref::RunSpec& main, const ref::RunSpec& other) {
+  Runs r;
+  r.main_label = mesh_text(main);
+  r.other_label = mesh_text(other);
+  r.single = load_reference(c);
+  r.main = timed_run(c, main);
+  r.again = timed_run(c, main);
+  r.other = timed_run(c, other);
+  r.ddp = timed_run(c, ddp());
+  return r;
+}
+
+// Both meshes against the single-card reference and against DDP, the DDP
+// baseline itself against the reference, and the rerun bitwise.
+inline void check_against_baselines(l1::Report& report, const Runs& r, double tol,
+                                    const Metrics& m = {}) {
+  compare(report, r.main_label + " vs single card", r.main, r.single, tol, m);
+  compare(report, r.main_label + " vs DDP", r.main, r.ddp, tol, m);
+  compare(report, r.other_label + " vs single card", r.other, r.single, tol, m);
+  compare(report, r.other_label + " vs DDP", r.other, r.ddp, tol, m);
+  compare(report, "DDP baseline vs single card", r.ddp, r.single, tol, m);
+  check_bitwise(report, r.main_label, r.main, r.again);
+}
+
+}  // namespace l3
