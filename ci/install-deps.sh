@@ -11,6 +11,7 @@ packages=(
   libboost-test-dev
   libhdf5-dev hdf5-tools
   libcli11-dev libfmt-dev nlohmann-json3-dev
+  gnuplot-nox             # loss.png of fsdp-train (optional at run time)
 )
 
 missing=()

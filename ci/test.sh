@@ -18,4 +18,9 @@ if [ "${gpu4:-0}" -eq 0 ]; then
 fi
 echo "ci/test.sh: ${gpu4} gpu4 test(s) registered (not run: no GPU here)"
 
-ctest -L cpu --output-on-failure --no-tests=error "$@"
+status=0
+ctest -L cpu --output-on-failure --no-tests=error "$@" || status=$?
+if [ -f "$build/reports/precision-matrix.md" ]; then
+  echo "ci/test.sh: precision matrix: $build/reports/precision-matrix.md (and .json)"
+fi
+exit "$status"

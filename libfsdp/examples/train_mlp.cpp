@@ -62,7 +62,10 @@ int main(int argc, char** argv) {
     auto loss = (model(x) - y).pow(2).mean();
     loss.backward();
     const double norm = fsdp::clip_grad_norm_(net->parameters(), /*max_norm=*/1.0);
-    opt.step();
+    {
+      fsdp::trace::Span span("optimizer step", "optim");  // on the FSDP_TRACE timeline
+      opt.step();
+    }
     if (rt.world_rank() == 0) {
       std::cout << "step " << step << " loss " << loss.item<float>() << " grad norm " << norm
                 << "\n";

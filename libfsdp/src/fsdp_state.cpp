@@ -4,6 +4,7 @@
 #include "fsdp_state.h"
 
 #include "fsdp/errors.h"
+#include "fsdp/trace.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -13,6 +14,9 @@
 
 #include <algorithm>
 #include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
 
 namespace fsdp {
 namespace detail {
@@ -39,6 +43,82 @@ StepContext& ctx() {
 }
 
 thread_local int recompute_depth = 0;
+
+// ---- tracing (fsdp/trace.h) ----
+
+// A unit's name in span names: its modules' paths inside the root module
+// ("block0", "head.0"), or the root module's type; cached per unit set.
+std::string trace_label(const UnitState& unit) {
+  static std::mutex mu;
+  static std::unordered_map<int64_t, std::pair<uint64_t, std::string>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& entry = cache[unit.id];
+  if (entry.first == ctx().generation && !entry.second.empty()) return entry.second;
+  std::string label;
+  for (const auto& weak : unit.modules) {
+    auto m = weak.lock();
+    if (!m) continue;
+    std::string path;
+    for (const auto& root : live_units()) {
+      if (!is_root(*root)) continue;
+      for (const auto& root_weak : root->modules) {
+        auto r = root_weak.lock();
+        if (!r) continue;
+        for (const auto& item : r->named_modules("", /*include_self=*/true)) {
+          if (item.value().get() == m.get()) path = item.key();
+        }
+      }
+    }
+    label += (label.empty() ? "" : "+") + (path.empty() ? m->name() : path);
+  }
+  if (label.empty()) label = "unit " + std::to_string(unit.id);
+  entry = {ctx().generation, label};
+  trace::detail::set_unit_label(unit.id, label);
+  return label;
+}
+
+// Attributes the spans begun on this thread in its scope (the collectives'
+// issue/wait spans) to `unit`.
+class TraceUnit {
+ public:
+  explicit TraceUnit(const UnitState& unit) {
+    if (!trace::enabled()) return;
+    trace_label(unit);
+    prev_ = trace::detail::swap_unit(unit.id);
+    active_ = true;
+  }
+  ~TraceUnit() {
+    if (active_) trace::detail::swap_unit(prev_);
+  }
+  TraceUnit(const TraceUnit&) = delete;
+  TraceUnit& operator=(const TraceUnit&) = delete;
+
+ private:
+  bool active_ = false;
+  int64_t prev_ = -1;
+};
+
+// Forward and backward spans begin and end in different calls: (unit id,
+// span token) of the open ones, per thread.
+using OpenSpans = std::vector<std::pair<int64_t, uint64_t>>;
+thread_local OpenSpans open_forward;
+thread_local OpenSpans open_backward;
+
+void trace_close(OpenSpans& open, int64_t unit_id) {
+  for (size_t i = open.size(); i-- > 0;) {
+    if (open[i].first != unit_id) continue;
+    trace::detail::end(open[i].second);  // also ends the spans begun after it
+    open.erase(open.begin() + static_cast<std::ptrdiff_t>(i), open.end());
+    return;
+  }
+}
+
+void trace_open(OpenSpans& open, const UnitState& unit, const std::string& what) {
+  trace_close(open, unit.id);  // left open by a pass that threw
+  const uint64_t token = trace::detail::begin(what + " " + trace_label(unit), "fsdp");
+  trace::detail::add_arg(token, "unit", unit.id);
+  open.emplace_back(unit.id, token);
+}
 
 std::shared_ptr<UnitState> unit_by_id(int64_t id) {
   for (auto& u : ctx().units) {
@@ -83,8 +163,10 @@ void finalize_backward() {
   // they got (missing gradients count as zeros), in a rank-independent order.
   for (auto& u : participants) {
     if (!u->post_backward_done) u->post_backward();
+    if (!open_backward.empty()) trace_close(open_backward, u->id);
   }
   for (auto& u : participants) {
+    TraceUnit traced(*u);
     if (u->is_last_backward) u->group.finish_reduce();
     u->pre_backward_done = false;
     u->post_backward_done = false;
@@ -184,6 +266,17 @@ void intercept_sequential_children(torch::nn::Module& module) {
 bool begin_forward(const torch::nn::Module& module, std::shared_ptr<UnitState>& unit) {
   unit = unit_for_module(module);
   if (!unit) return false;
+  if (trace::enabled()) {
+    const bool recompute = RecomputeGuard::active();
+    // A unit inside a checkpointed segment gets no pre-backward (its forward
+    // ran without grad): its backward begins with the recompute.
+    if (recompute && !unit->pre_backward_done &&
+        std::none_of(open_backward.begin(), open_backward.end(),
+                     [&](const std::pair<int64_t, uint64_t>& o) { return o.first == unit->id; })) {
+      trace_open(open_backward, *unit, "backward");
+    }
+    trace_open(open_forward, *unit, recompute ? "recompute forward" : "forward");
+  }
   unit->pre_forward();
   return true;
 }
@@ -196,7 +289,10 @@ at::Tensor finish_output(const std::shared_ptr<UnitState>& unit, const at::Tenso
   return unit->finish_output(t);
 }
 
-void end_forward(const std::shared_ptr<UnitState>& unit) { unit->post_forward(); }
+void end_forward(const std::shared_ptr<UnitState>& unit) {
+  unit->post_forward();
+  if (!open_forward.empty()) trace_close(open_forward, unit->id);
+}
 
 }  // namespace detail
 
@@ -241,11 +337,13 @@ std::vector<std::shared_ptr<UnitState>> UnitState::self_and_nested() {
 }
 
 void UnitState::unshard(bool async_op) {
+  detail::TraceUnit traced(*this);
   group.issue_unshard();
   if (!async_op) wait_unshard();
 }
 
 void UnitState::wait_unshard() {
+  detail::TraceUnit traced(*this);
   group.finish_unshard();
   for (size_t i = 0; i < group.params().size(); ++i) {
     std::weak_ptr<UnitState> self = weak_from_this();
@@ -255,7 +353,10 @@ void UnitState::wait_unshard() {
   }
 }
 
-void UnitState::reshard() { group.reshard(); }
+void UnitState::reshard() {
+  detail::TraceUnit traced(*this);
+  group.reshard();
+}
 
 void UnitState::pre_forward() {
   auto& c = detail::ctx();
@@ -265,6 +366,9 @@ void UnitState::pre_forward() {
       // The previous backward threw: the engine dropped our end-of-backward
       // callback. Start clean rather than mistake this step for that one.
       c.callback_queued = false;
+      while (!detail::open_backward.empty()) {
+        detail::trace_close(detail::open_backward, detail::open_backward.back().first);
+      }
       for (auto& u : c.units) {
         u->pre_backward_done = false;
         u->post_backward_done = false;
@@ -278,7 +382,10 @@ void UnitState::pre_forward() {
     if (c.phase != detail::Phase::Forward || seen) {
       // A new step: reductions left in flight by set_is_last_backward(false)
       // land before the optimizer's values are gathered again.
-      for (auto& u : detail::live_units()) u->group.finish_reduce();
+      for (auto& u : detail::live_units()) {
+        detail::TraceUnit traced(*u);
+        u->group.finish_reduce();
+      }
       c.forward_order.clear();
       c.phase = detail::Phase::Forward;
     }
@@ -322,6 +429,7 @@ void UnitState::pre_backward() {
   detail::ensure_backward_callback();
   if (pre_backward_done) return;
   pre_backward_done = true;
+  if (trace::enabled()) detail::trace_open(detail::open_backward, *this, "backward");
   wait_unshard();
   if (explicit_backward_prefetch) {
     for (auto& weak : backward_prefetch) {
@@ -350,8 +458,12 @@ void UnitState::on_grad_ready(size_t index) {
 
 void UnitState::post_backward() {
   post_backward_done = true;
-  if (requires_gradient_sync) group.issue_reduce(reduce_settings());
+  {
+    detail::TraceUnit traced(*this);
+    if (requires_gradient_sync) group.issue_reduce(reduce_settings());
+  }
   if (reshard_after_backward) reshard();
+  if (!detail::open_backward.empty()) detail::trace_close(detail::open_backward, id);
 }
 
 detail::ReduceSettings UnitState::reduce_settings() const {

@@ -1,11 +1,23 @@
 // ParamGroup: the collectives of one unit.
 #include "param_group.h"
 
+#include "fsdp/trace.h"
 #include "torch_compat.h"
 
 #include <ATen/ATen.h>
 
 namespace fsdp::detail {
+namespace {
+
+// Tells the communication-thread span of the collective about to be issued
+// on this thread its size (CPU tensors: the MPI backend's comm thread).
+void hint_bytes(const at::Tensor& t) {
+  if (trace::enabled() && t.is_cpu()) {
+    trace::detail::hint_collective_bytes(static_cast<int64_t>(t.nbytes()));
+  }
+}
+
+}  // namespace
 
 ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_group,
                        ProcessGroupPtr replicate_group, bool fused)
@@ -25,6 +37,9 @@ void ParamGroup::issue_unshard() {
   if (unsharded_ || gather_issued_) return;
   gather_issued_ = true;
   const int64_t ws = shard_group_->size();
+  trace::Span span("all-gather issue", "fsdp");
+  if (span.active()) span.arg("group", shard_group_->name()).arg("fused", fused_);
+  int64_t traced_bytes = 0;  // of the gathered (full) buffers
   if (fused_ && fused_block_numel_ > 0) {
     at::Tensor input;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -43,26 +58,36 @@ void ParamGroup::issue_unshard() {
     if (ws == 1) {
       fused_gather_out_.copy_(input);
     } else {
+      hint_bytes(fused_gather_out_);
       gather_works_.push_back(
           shard_group_->all_gather_into_tensor(fused_gather_out_, input, /*async_op=*/true));
     }
+    span.arg("bytes", static_cast<int64_t>(nbytes));
     return;
   }
   for (auto& p : params_) {
     if (!p.is_sharded_placement()) continue;
     at::Tensor out = p.all_gather_output();
     at::Tensor in = p.all_gather_input();
+    traced_bytes += static_cast<int64_t>(out.nbytes());
     if (ws == 1) {
       out.copy_(in);
     } else {
+      hint_bytes(out);
       gather_works_.push_back(shard_group_->all_gather_into_tensor(out, in, /*async_op=*/true));
     }
   }
+  span.arg("bytes", traced_bytes);
 }
 
 void ParamGroup::finish_unshard() {
   if (unsharded_) return;
   issue_unshard();
+  trace::Span span("all-gather wait", "fsdp");
+  if (span.active()) {
+    span.arg("group", shard_group_->name())
+        .arg("collectives", static_cast<int64_t>(gather_works_.size()));
+  }
   for (auto& w : gather_works_) w->wait();
   gather_works_.clear();
   gather_issued_ = false;
@@ -83,6 +108,7 @@ void ParamGroup::finish_unshard() {
 }
 
 void ParamGroup::reshard() {
+  trace::Span span(unsharded_ || gather_issued_ ? "reshard" : nullptr, "fsdp");
   // Buffers under an in-flight all-gather must not be freed.
   for (auto& w : gather_works_) w->wait();
   gather_works_.clear();
@@ -106,6 +132,10 @@ void ParamGroup::issue_reduce(const ReduceSettings& settings) {
   reduce_settings_ = settings;
   reduce_pending_ = true;
   const int64_t ws = shard_group_->size();
+  // The issue; "reduce-scatter wait" (finish_reduce) is the rest.
+  trace::Span span("reduce-scatter", "fsdp");
+  if (span.active()) span.arg("group", shard_group_->name()).arg("fused", fused_);
+  int64_t traced_bytes = 0;  // of the full gradients reduced
 
   // Sharded parameters: reduce-scatter; replicated ones: all-reduce.
   std::vector<size_t> sharded;
@@ -116,7 +146,11 @@ void ParamGroup::issue_reduce(const ReduceSettings& settings) {
       continue;
     }
     at::Tensor g = p.reduce_scatter_input().clone();
-    if (ws > 1) reduce_works_.push_back(shard_group_->all_reduce(g, ReduceOp::SUM, true));
+    traced_bytes += static_cast<int64_t>(g.nbytes());
+    if (ws > 1) {
+      hint_bytes(g);
+      reduce_works_.push_back(shard_group_->all_reduce(g, ReduceOp::SUM, true));
+    }
     reduce_outputs_.push_back(g);
   }
   if (fused_ && !sharded.empty()) {
@@ -133,9 +167,11 @@ void ParamGroup::issue_reduce(const ReduceSettings& settings) {
     }
     at::Tensor out = at::empty({total}, input.options());
     fused_reduce_out_ = out;
+    traced_bytes += static_cast<int64_t>(input.nbytes());
     if (ws == 1) {
       out.copy_(input.view({-1}));
     } else {
+      hint_bytes(input);
       reduce_works_.push_back(
           shard_group_->reduce_scatter_tensor(out, input.view({-1}), ReduceOp::SUM, true));
     }
@@ -149,9 +185,11 @@ void ParamGroup::issue_reduce(const ReduceSettings& settings) {
       auto& p = params_[i];
       at::Tensor in = p.reduce_scatter_input();
       at::Tensor out = at::empty({p.padded_block_numel()}, in.options());
+      traced_bytes += static_cast<int64_t>(in.nbytes());
       if (ws == 1) {
         out.copy_(in);
       } else {
+        hint_bytes(in);
         reduce_works_.push_back(shard_group_->reduce_scatter_tensor(out, in, ReduceOp::SUM, true));
       }
       reduce_outputs_.push_back(out);
@@ -165,12 +203,20 @@ void ParamGroup::issue_reduce(const ReduceSettings& settings) {
   order.insert(order.end(), sharded.begin(), sharded.end());
   reduce_params_ = std::move(order);
   for (size_t i : reduce_params_) params_[i].clear_unsharded_grad();
+  span.arg("bytes", traced_bytes);
 }
 
 void ParamGroup::finish_reduce() {
   if (!reduce_pending_) return;
   reduce_pending_ = false;
-  for (auto& w : reduce_works_) w->wait();
+  {
+    trace::Span span("reduce-scatter wait", "fsdp");
+    if (span.active()) {
+      span.arg("group", shard_group_->name())
+          .arg("collectives", static_cast<int64_t>(reduce_works_.size()));
+    }
+    for (auto& w : reduce_works_) w->wait();
+  }
   reduce_works_.clear();
 
   const ReduceSettings& s = reduce_settings_;
@@ -205,17 +251,25 @@ void ParamGroup::finish_reduce() {
       const at::Tensor& partial = partial_sums_[reduce_params_[k]];
       if (partial.defined()) reduce_outputs_[k].add_(partial);
     }
+    // Issue and wait: nothing to overlap it with here.
+    trace::Span span("all-reduce", "fsdp");
+    int64_t traced_bytes = 0;
     std::vector<WorkPtr> works;
     if (fused_reduce_out_.defined()) {
+      traced_bytes += static_cast<int64_t>(fused_reduce_out_.nbytes());
+      hint_bytes(fused_reduce_out_);
       works.push_back(replicate_group_->all_reduce(fused_reduce_out_, ReduceOp::SUM, true));
     }
     for (size_t k = 0; k < reduce_params_.size(); ++k) {
       const bool in_fused =
           fused_reduce_out_.defined() && params_[reduce_params_[k]].is_sharded_placement();
       if (!in_fused) {
+        traced_bytes += static_cast<int64_t>(reduce_outputs_[k].nbytes());
+        hint_bytes(reduce_outputs_[k]);
         works.push_back(replicate_group_->all_reduce(reduce_outputs_[k], ReduceOp::SUM, true));
       }
     }
+    if (span.active()) span.arg("group", replicate_group_->name()).arg("bytes", traced_bytes);
     for (auto& w : works) w->wait();
   }
   for (size_t k = 0; k < reduce_params_.size(); ++k) {

@@ -43,6 +43,10 @@ inline double world_max(double v) {
 // Worst errors of one case: check() asserts on this rank, publish() prints
 // the maximum over all ranks (rank 0) as
 //   [L1-xx] <what>: worst <err> (tol <tol>)
+// and records it (spmd::record_precision): kind "precision" when tol > 0,
+// "exact" when tol == 0; pass = worst <= tol. check_differs() entries are
+// recorded as kind "separation", metric "<what> (must exceed)", observed =
+// the smallest gap over ranks, pass = gap > min_gap.
 // publish() is collective: every rank must have made the same checks.
 class Report {
  public:
@@ -67,6 +71,14 @@ class Report {
       os << "[" << id_ << "] " << e.what << ": worst " << std::scientific << std::setprecision(3)
          << worst << " (tol " << e.tol << ")";
       if (spmd::rank() == 0) std::cout << os.str() << std::endl;
+      spmd::PrecisionRecord r;
+      r.case_id = id_;
+      r.metric = e.what;
+      r.tolerance = e.tol;
+      r.observed = worst;
+      r.pass = worst <= e.tol;  // false for NaN
+      r.kind = e.tol > 0 ? "precision" : "exact";
+      spmd::record_precision(r);
     }
     for (const auto& e : differs_) {
       const double least = -world_max(-e.err);
@@ -74,6 +86,14 @@ class Report {
       os << "[" << id_ << "] " << e.what << ": smallest difference " << std::scientific
          << std::setprecision(3) << least << " (must exceed " << e.tol << ")";
       if (spmd::rank() == 0) std::cout << os.str() << std::endl;
+      spmd::PrecisionRecord r;
+      r.case_id = id_;
+      r.metric = e.what + " (must exceed)";
+      r.tolerance = e.tol;
+      r.observed = least;
+      r.pass = least > e.tol;  // false for NaN
+      r.kind = "separation";
+      spmd::record_precision(r);
     }
     entries_.clear();
     differs_.clear();

@@ -200,7 +200,11 @@ inline double sq_norm(const at::Tensor& t) {
   return t.detach().to(at::kDouble).pow(2).sum().item<double>();
 }
 
-// Prints one observed worst error on rank 0 and into the Boost log.
+// Prints one observed worst error on rank 0 and into the Boost log. With
+// tol > 0 it is also a precision-matrix record (spmd::record_precision, pass
+// = observed <= tol); tol <= 0 marks an informational value, not recorded.
+// `observed` must already be the max over ranks (every caller passes
+// max_over_ranks(...)); not collective.
 inline void report(const std::string& id, const std::string& what, double observed, double tol) {
   std::ostringstream os;
   os << "[" << id << "] " << what << ": worst " << std::scientific << std::setprecision(3)
@@ -208,11 +212,28 @@ inline void report(const std::string& id, const std::string& what, double observ
   if (tol > 0) os << " (tol " << tol << ")";
   BOOST_TEST_MESSAGE(os.str());
   if (spmd::rank() == 0) std::cout << os.str() << std::endl;
+  if (tol > 0) {
+    spmd::PrecisionRecord r;
+    r.case_id = id;
+    r.metric = what;
+    r.tolerance = tol;
+    r.observed = observed;
+    r.pass = observed <= tol;  // false for NaN
+    spmd::record_precision(r);
+  }
 }
 
+// Prints a note on rank 0 and into the Boost log. A note of the form
+// "[<case id>] ..." that mentions the CPU is a CPU stand-in: it is attached
+// to that case's precision records (spmd::add_case_note).
 inline void note(const std::string& text) {
   BOOST_TEST_MESSAGE(text);
   if (spmd::rank() == 0) std::cout << text << std::endl;
+  const auto close = text.find("] ");
+  if (!text.empty() && text[0] == '[' && close != std::string::npos &&
+      text.find("CPU", close) != std::string::npos) {
+    spmd::add_case_note(text.substr(1, close - 1), text.substr(close + 2));
+  }
 }
 
 // The dtype the plan's "fp16" cases compute in: fp16 on CUDA; bf16 on CPU,
@@ -220,7 +241,10 @@ inline void note(const std::string& text) {
 // substitution.
 inline c10::ScalarType plan_fp16(const std::string& id) {
   if (spmd::device().is_cuda()) return at::kHalf;
-  note("[" + id + "] fp16 -> bf16 on CPU (no fp16 GEMM in LibTorch 1.13 CPU)");
+  const std::string text = "[" + id + "] fp16 -> bf16 on CPU (no fp16 GEMM in LibTorch 1.13 CPU)";
+  BOOST_TEST_MESSAGE(text);
+  if (spmd::rank() == 0) std::cout << text << std::endl;
+  spmd::add_case_note(id, "bf16 stands in for fp16 on CPU (no fp16 GEMM in LibTorch 1.13 CPU)");
   return at::kBFloat16;
 }
 

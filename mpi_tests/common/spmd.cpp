@@ -8,12 +8,17 @@
 #include <boost/test/tree/visitor.hpp>
 #include <boost/test/unit_test_log.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <mpi.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -29,6 +34,11 @@ namespace {
 std::unique_ptr<fsdp::Runtime> g_runtime;
 std::ostringstream g_rank_log;  // log of ranks > 0, shown only on failure
 MPI_Comm g_harness_comm = MPI_COMM_NULL;
+// Precision records: rank 0's JSON-lines file (empty: not recording) and the
+// notes of the running case, by case id.
+std::string g_report_path;
+std::string g_executable;
+std::vector<std::pair<std::string, std::string>> g_case_notes;
 
 double case_timeout_seconds() {
   const char* env = std::getenv("FSDP_TEST_TIMEOUT");
@@ -130,6 +140,7 @@ class CaseFixture : public utf::test_unit_fixture {
  public:
   void setup() override {
     g_rank_log.str("");
+    g_case_notes.clear();
     g_watchdog->arm(current_name(), case_timeout_seconds());
   }
   void teardown() override {
@@ -190,12 +201,84 @@ std::string basename_of(const char* path) {
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }
 
+// Rank 0: chooses and truncates $FSDP_REPORT_DIR/<exe>_np<N>[_<device>].jsonl
+// (the device suffix only off the CPU, so cpu and gpu runs of one executable
+// at one np keep separate files). Leaves g_report_path empty when the
+// variable is unset or the file cannot be written.
+void open_precision_report(const std::string& exe, const c10::Device& dev) {
+  const char* dir = std::getenv("FSDP_REPORT_DIR");
+  if (dir == nullptr || *dir == '\0' || rank() != 0) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  std::string path = std::string(dir) + "/" + exe + "_np" + std::to_string(world_size());
+  if (!dev.is_cpu()) path += "_" + c10::DeviceTypeName(dev.type(), /*lower_case=*/true);
+  path += ".jsonl";
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) {
+    std::cerr << "[spmd] cannot write precision records to " << path
+              << " (FSDP_REPORT_DIR); not recording" << std::endl;
+    return;
+  }
+  g_report_path = path;
+}
+
+bool note_applies(const std::string& note_id, const std::string& case_id) {
+  return case_id == note_id ||
+         (case_id.size() > note_id.size() && case_id.compare(0, note_id.size(), note_id) == 0 &&
+          case_id[note_id.size()] == ' ');
+}
+
 }  // namespace
 
 fsdp::Runtime& runtime() { return *g_runtime; }
 int rank() { return g_runtime->world_rank(); }
 int world_size() { return g_runtime->world_size(); }
 std::string current_case() { return current_name(); }
+
+void add_case_note(const std::string& case_id, const std::string& note) {
+  for (const auto& [id, text] : g_case_notes) {
+    if (id == case_id && text == note) return;
+  }
+  g_case_notes.emplace_back(case_id, note);
+}
+
+void record_precision(const PrecisionRecord& r) {
+  if (g_report_path.empty() || rank() != 0) return;
+  std::string note = r.note;
+  for (const auto& [id, text] : g_case_notes) {
+    if (note_applies(id, r.case_id) && note.find(text) == std::string::npos) {
+      note += (note.empty() ? "" : "; ") + text;
+    }
+  }
+  std::string test_case;
+  try {
+    test_case = current_name();
+  } catch (...) {
+    // recorded outside a test case
+  }
+  nlohmann::json j;
+  j["case_id"] = r.case_id;
+  j["metric"] = r.metric;
+  j["kind"] = r.kind;
+  j["tolerance"] = r.tolerance;
+  // JSON has no NaN/inf: those are written as strings ("nan", "inf").
+  if (std::isfinite(r.observed)) {
+    j["observed"] = r.observed;
+  } else {
+    j["observed"] = std::isnan(r.observed) ? "nan" : (r.observed > 0 ? "inf" : "-inf");
+  }
+  j["pass"] = r.pass;
+  j["configuration"] = r.configuration;
+  j["note"] = note;
+  j["test_case"] = test_case;
+  j["executable"] = g_executable;
+  j["np"] = world_size();
+  j["device"] = device().str();
+  std::ofstream out(g_report_path, std::ios::app);
+  out << j.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace)
+      << '\n';
+  if (!out) std::cerr << "[spmd] failed to append a precision record to " << g_report_path << std::endl;
+}
 
 c10::Device device() {
   const char* env = std::getenv("FSDP_TEST_DEVICE");
@@ -221,6 +304,8 @@ int main(int argc, char** argv) {
 
   const std::string exe = spmd::basename_of(argv[0]);
   spmd::g_suite_name = exe;
+  spmd::g_executable = exe;
+  spmd::open_precision_report(exe, spmd::device());
   std::vector<std::string> args(argv, argv + argc);
   if (spmd::rank() == 0) {
     const char* junit_dir = std::getenv("FSDP_JUNIT_DIR");

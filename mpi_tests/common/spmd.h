@@ -10,7 +10,11 @@
 //  - arms a per-case watchdog (60 s, or $FSDP_TEST_TIMEOUT seconds) that
 //    prints the case, the rank and the pending collectives, then MPI_Aborts;
 //  - writes a JUnit report from rank 0 to $FSDP_JUNIT_DIR/<executable>_np<N>.xml
-//    when FSDP_JUNIT_DIR is set.
+//    when FSDP_JUNIT_DIR is set;
+//  - records every precision comparison (record_precision) from rank 0 as one
+//    JSON object per line in $FSDP_REPORT_DIR/<executable>_np<N>.jsonl when
+//    FSDP_REPORT_DIR is set (truncated at start-up; fsdp-precision-report
+//    renders the test plan's precision matrix from these files).
 #pragma once
 
 #include <fsdp/runtime.h>
@@ -31,6 +35,37 @@ int world_size();
 c10::Device device();
 // Name of the running test case.
 std::string current_case();
+
+// One comparison a case made against its reference (see record_precision).
+struct PrecisionRecord {
+  std::string case_id;  // plan id, optionally followed by a variant: "L1-03", "L2-06 reentrant"
+  std::string metric;   // what was compared: "loss vs single card"
+  double tolerance = 0;
+  // Worst error, already reduced over every rank (max; for kind
+  // "separation" the smallest gap, i.e. the min over ranks).
+  double observed = 0;
+  bool pass = false;
+  // "precision": observed <= tolerance, tolerance > 0 (a row of the plan's
+  //              precision matrix);
+  // "exact":     observed <= 0 (bitwise equality required);
+  // "separation": observed must exceed tolerance (e.g. unsynchronised replicas differ).
+  std::string kind = "precision";
+  // Matrix row, e.g. "FSDP 1-D, fp32"; empty: the renderer maps the plan id.
+  std::string configuration;
+  // Free text, e.g. "bf16 stands in for fp16 on CPU". Notes registered with
+  // add_case_note for this case id are appended.
+  std::string note;
+};
+
+// Records one comparison. Not collective: call it on every rank (or any) with
+// the value already reduced over the world; only rank 0 writes. No-op when
+// $FSDP_REPORT_DIR is unset. Adds the test case, executable, np and device.
+void record_precision(const PrecisionRecord& record);
+
+// Attaches `note` to every later record of the running test case whose case
+// id is `case_id` or starts with `case_id` followed by a space (cleared at the
+// end of the test case). Not collective.
+void add_case_note(const std::string& case_id, const std::string& note);
 
 }  // namespace spmd
 

@@ -9,3 +9,4 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
 #include "fsdp/runtime.h"
+#include "fsdp/trace.h"

@@ -125,12 +125,36 @@ std::vector<Stats> time_interleaved(MPI_Comm comm,
   std::vector<Stats> stats(n);
   for (size_t v = 0; v < n; ++v) {
     const auto first = us.begin() + static_cast<std::ptrdiff_t>(v * iters);
-    std::vector<double> times(first, first + static_cast<std::ptrdiff_t>(iters));
-    stats[v].median_us = median(times);
-    stats[v].min_us = *std::min_element(times.begin(), times.end());
-    stats[v].max_us = *std::max_element(times.begin(), times.end());
+    stats[v] = summarize(std::vector<double>(first, first + static_cast<std::ptrdiff_t>(iters)));
   }
   return stats;
+}
+
+Stats summarize(const std::vector<double>& us) {
+  if (us.empty()) throw std::invalid_argument("summarize: no samples");
+  Stats s;
+  s.median_us = median(us);
+  s.min_us = *std::min_element(us.begin(), us.end());
+  s.max_us = *std::max_element(us.begin(), us.end());
+  return s;
+}
+
+std::vector<int64_t> max_over_ranks(MPI_Comm comm, std::vector<int64_t> values) {
+  MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T,
+                MPI_MAX, comm);
+  return values;
+}
+
+std::vector<double> max_over_ranks(MPI_Comm comm, std::vector<double> values) {
+  MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_MAX,
+                comm);
+  return values;
+}
+
+std::vector<double> sum_over_ranks(MPI_Comm comm, std::vector<double> values) {
+  MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM,
+                comm);
+  return values;
 }
 
 Report::Report(std::string benchmark, std::vector<Column> columns, std::string json_path,
@@ -256,6 +280,28 @@ void add_runtime_meta(Report& report, const fsdp::Runtime& rt) {
               fmt::format("LibTorch {}, BLAS {}", TORCH_VERSION, rt.blas_library()));
   report.meta("blas", rt.blas_library());
   report.meta("mpi_library", mpi, mpi);
+  // Settings that change how the run behaves without showing in argv (not
+  // the launcher's own bookkeeping, which mpiexec sets on every run).
+  const auto shown = [](const std::string& entry) {
+    static const char* const skipped[] = {"OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix",
+                                          "OMPI_MCA_shmem_RUNTIME", "OMPI_MCA_initial_wdir"};
+    if (entry.rfind("FSDP_", 0) == 0) return true;
+    if (entry.rfind("OMPI_MCA_", 0) != 0) return false;
+    return std::none_of(std::begin(skipped), std::end(skipped),
+                        [&](const char* p) { return entry.rfind(p, 0) == 0; });
+  };
+  nlohmann::json env = nlohmann::json::object();
+  std::string env_text;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry(*e);
+    if (!shown(entry)) continue;
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos) continue;
+    env[entry.substr(0, eq)] = entry.substr(eq + 1);
+    env_text += " " + entry;
+  }
+  report.meta("environment", env,
+              "environment (OMPI_MCA_*, FSDP_*):" + (env_text.empty() ? " none" : env_text));
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t r = 0; r < all.size(); ++r) {
     ranks.push_back({{"rank", r}, {"host", all[r].host}, {"pid", all[r].pid}});

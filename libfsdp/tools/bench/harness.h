@@ -26,6 +26,8 @@ using Command = std::function<int(const fsdp::Runtime&)>;
 
 // Registers `collectives` on `app`; sets `chosen` when the user picks it.
 void add_collectives_command(CLI::App& app, Command& chosen);
+// Registers `train` (bench/train.cpp) likewise.
+void add_train_command(CLI::App& app, Command& chosen);
 
 // ---- sizes ----------------------------------------------------------------
 // "4096", "1K", "256M", "2G" (binary multiples, case-insensitive, optional
@@ -51,6 +53,9 @@ struct Stats {
   double max_us = 0;
 };
 
+// Median, min and max of `us` (not empty).
+Stats summarize(const std::vector<double>& us);
+
 // Runs `variants` interleaved: each of warmup + iters rounds runs every
 // variant once (in order, reversed in odd rounds), each call preceded by a
 // barrier on `comm`, so slow drift (load from other processes, frequency
@@ -60,6 +65,12 @@ struct Stats {
 std::vector<Stats> time_interleaved(MPI_Comm comm,
                                     const std::vector<std::function<void()>>& variants,
                                     const TimingOptions& timing);
+
+// Element-wise maximum / sum over the ranks of `comm`, in one reduction.
+// Collective; every rank passes the same number of values.
+std::vector<int64_t> max_over_ranks(MPI_Comm comm, std::vector<int64_t> values);
+std::vector<double> max_over_ranks(MPI_Comm comm, std::vector<double> values);
+std::vector<double> sum_over_ranks(MPI_Comm comm, std::vector<double> values);
 
 // ---- output ---------------------------------------------------------------
 using Cell = std::variant<int64_t, double, std::string>;

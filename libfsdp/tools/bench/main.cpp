@@ -1,6 +1,7 @@
 // fsdp-bench: benchmark programs for libfsdp, run SPMD under mpiexec.
 //
 //   mpiexec -n 2 fsdp-bench collectives [--min-bytes 1K --max-bytes 256M ...]
+//   mpiexec -n 2 fsdp-bench train [--batch 8 --steps 10 --json FILE ...]
 #include "harness.h"
 
 #include <iostream>
@@ -15,6 +16,7 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
   fsdp_bench::Command chosen;
   fsdp_bench::add_collectives_command(app, chosen);
+  fsdp_bench::add_train_command(app, chosen);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

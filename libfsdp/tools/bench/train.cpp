@@ -1,0 +1,669 @@
+// fsdp-bench train: one training step of the test plan's LLM decoder under
+// single-process, a plain DDP baseline and three FSDP configurations, in one
+// run, on the same model, seed and global batch.
+//
+// Every configuration builds a fresh models::Decoder from the same seed and
+// trains it with AdamW (zero_grad, forward, backward, step per iteration).
+// The configurations run interleaved step by step (the harness's
+// time_interleaved), so load drift hits them alike. Memory is measured by a
+// counting wrapper around LibTorch's CPU allocator that attributes every
+// allocation to the configuration whose step (or construction) was running.
+#include "harness.h"
+
+#include "fsdp/comm.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/mesh.h"
+
+#include <models/init.h>
+#include <models/llm.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <torch/optim/adamw.h>
+#include <torch/version.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+
+namespace fsdp_bench {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+// Targets of the project: FSDP (reshard_after_forward=true) within 5% of
+// DDP's step time at 2 ranks, and its persistent memory per rank within 2%
+// of an ideal 1/N split of the single-process state.
+constexpr double kStepTarget = 1.05;
+constexpr int kStepTargetWorld = 2;
+constexpr double kMemoryTarget = 1.02;
+
+// ---- memory accounting ------------------------------------------------------
+// LibTorch's CPU allocator wrapped to count live bytes and their peak per
+// account. The account of an allocation is the one current when it was made
+// (a process-wide setting, so allocations on libfsdp's communication threads
+// count for the configuration whose step issued them); a free goes back to
+// the allocation's account, wherever it happens. Installed before any model
+// is built and never removed or destroyed: it must outlive every tensor it
+// allocated.
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define FSDP_BENCH_ALLOCATE_CONST
+#define FSDP_BENCH_HAS_COPY_DATA 1
+#else
+#define FSDP_BENCH_ALLOCATE_CONST const
+#define FSDP_BENCH_HAS_COPY_DATA 0
+#endif
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  static constexpr int kAccounts = 16;  // 0 = nothing in particular
+
+  // Some kernels take scratch memory through raw_allocate(), which requires
+  // the DataPtr's context to be its data pointer and a raw deleter: so the
+  // size and account live in a header in front of the data, one alignment
+  // unit long so that the data keeps c10's alignment.
+  c10::DataPtr allocate(size_t n) FSDP_BENCH_ALLOCATE_CONST override {
+    auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
+    Header h{n, current_.load(std::memory_order_relaxed)};
+    std::memcpy(base, &h, sizeof h);
+    add(h.account, static_cast<int64_t>(n));
+    void* data = base + kHeader;
+    return c10::DataPtr(data, data, &CountingAllocator::release, c10::Device(c10::kCPU));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
+#if FSDP_BENCH_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+#endif
+
+  static CountingAllocator& get() {
+    static auto* instance = new CountingAllocator();  // never freed: see above
+    return *instance;
+  }
+  // Priority above LibTorch's default CPU allocator (registered at 0).
+  void install() { c10::SetCPUAllocator(this, /*priority=*/1); }
+  bool installed() const { return c10::GetCPUAllocator() == this; }
+
+  // Makes `account` current until the returned guard is destroyed.
+  class Scope {
+   public:
+    explicit Scope(int account) : previous_(get().current_.exchange(account)) {}
+    ~Scope() { get().current_.store(previous_); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    int previous_;
+  };
+
+  int64_t live(int account) const { return live_[check(account)].load(); }
+  int64_t peak(int account) const { return peak_[check(account)].load(); }
+  // Starts a new peak window at the account's current live bytes.
+  void reset_peak(int account) { peak_[check(account)].store(live_[account].load()); }
+
+ private:
+  struct Header {
+    size_t bytes;
+    int account;
+  };
+  static constexpr size_t kHeader = c10::gAlignment;
+  static_assert(kHeader >= sizeof(Header), "the header holds size and account");
+
+  static int check(int account) {
+    if (account < 0 || account >= kAccounts) throw std::logic_error("bad memory account");
+    return account;
+  }
+  static void release(void* data) {
+    if (data == nullptr) return;
+    char* base = static_cast<char*>(data) - kHeader;
+    Header h{};
+    std::memcpy(&h, base, sizeof h);
+    get().add(h.account, -static_cast<int64_t>(h.bytes));
+    c10::free_cpu(base);
+  }
+  void add(int account, int64_t n) const {
+    const int64_t now = live_[account].fetch_add(n) + n;
+    int64_t peak = peak_[account].load();
+    while (now > peak && !peak_[account].compare_exchange_weak(peak, now)) {
+    }
+  }
+
+  std::atomic<int> current_{0};
+  mutable std::array<std::atomic<int64_t>, kAccounts> live_{};
+  mutable std::array<std::atomic<int64_t>, kAccounts> peak_{};
+};
+
+// ---- options and configurations ---------------------------------------------
+struct Options {
+  int batch = 8;  // global batch, sequences
+  int64_t seq = 0, layers = 0, hidden = 0, vocab = 0, heads = 0;  // 0 = DecoderConfig default
+  TimingOptions timing{2, 10};
+  uint64_t seed = 1234;
+  double lr = 1e-3;
+  bool forward_prefetch = false;
+  std::vector<std::string> configs;
+  std::string json_path;
+};
+
+enum class Kind { Single, Ddp, Fsdp };
+
+struct ConfigSpec {
+  std::string key;
+  Kind kind;
+  bool reshard_after_forward;
+  bool comm_fusion;
+  std::string legend;
+};
+
+const std::vector<ConfigSpec>& all_configs() {
+  static const std::vector<ConfigSpec> table{
+      {"single", Kind::Single, false, false,
+       "full model, whole global batch, no communication; EVERY rank runs it at once (each on "
+       "its share of the cores, as the parallel configs do), the step time is the slowest "
+       "rank's"},
+      {"ddp", Kind::Ddp, false, false,
+       "full replica per rank, batch/N each; after backward all gradients are copied into one "
+       "flat bucket, summed by ONE MPI_Allreduce and divided by N; no libfsdp code; does NOT "
+       "overlap communication with backward"},
+      {"fsdp", Kind::Fsdp, true, false,
+       "fully_shard each decoder layer then the root, reshard_after_forward=true"},
+      {"fsdp-no-reshard", Kind::Fsdp, false, false, "as fsdp, reshard_after_forward=false"},
+      {"fsdp-fused", Kind::Fsdp, true, true, "as fsdp, comm_fusion=true"},
+  };
+  return table;
+}
+
+int64_t nbytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+// One configuration's model, optimizer and step.
+class Trainer {
+ public:
+  Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
+          const Options& o, const std::optional<fsdp::DeviceMesh>& mesh, MPI_Comm comm)
+      : spec_(spec), account_(account), comm_(comm) {
+    MPI_Comm_size(comm, &world_);
+    const CountingAllocator::Scope scope(account_);
+    decoder_ = models::Decoder(cfg);
+    models::init_weights(*decoder_, o.seed);
+    if (spec.kind == Kind::Fsdp) {
+      fsdp::FullyShardOptions fo;
+      fo.mesh = mesh;
+      fo.reshard_after_forward = spec.reshard_after_forward;
+      fo.comm_fusion = spec.comm_fusion;
+      std::vector<fsdp::FSDPModule> units;
+      for (auto& layer : decoder_->layers) units.push_back(fsdp::fully_shard(layer.holder(), fo));
+      net_ = fsdp::fully_shard(decoder_, fo);  // embedding + tied output + final norm
+      if (o.forward_prefetch) {
+        // Each unit's forward issues the next one's all-gather; the root's
+        // issues the first layer's.
+        units.insert(units.begin(), *fsdp::fsdp_module_of(*decoder_));
+        for (size_t i = 0; i + 1 < units.size(); ++i) {
+          units[i].set_modules_to_forward_prefetch({units[i + 1]});
+        }
+      }
+    } else {
+      net_ = fsdp::Sharded<models::Decoder>(decoder_);  // not sharded: simply forwards
+    }
+    optimizer_ = std::make_unique<torch::optim::AdamW>(decoder_->parameters(),
+                                                       torch::optim::AdamWOptions(o.lr));
+    if (spec.kind == Kind::Ddp) {
+      int64_t total = 0;
+      for (const auto& p : decoder_->parameters()) total += p.numel();
+      if (total > INT_MAX) throw std::invalid_argument("DDP bucket above INT_MAX elements");
+      bucket_ = at::zeros({total}, decoder_->parameters().front().options());
+    }
+  }
+
+  const ConfigSpec& spec() const { return spec_; }
+  int account() const { return account_; }
+  bool data_parallel() const { return spec_.kind != Kind::Single; }
+
+  // One training step on `inputs` -> `targets` (this rank's share). With
+  // `record`, appends its phase times to phase_us().
+  void step(const at::Tensor& inputs, const at::Tensor& targets, bool record = false) {
+    using Clock = std::chrono::steady_clock;
+    const CountingAllocator::Scope scope(account_);
+    const auto t0 = Clock::now();
+    optimizer_->zero_grad();
+    at::Tensor loss = models::lm_loss(net_(inputs), targets);
+    const auto t1 = Clock::now();
+    loss.backward();
+    const auto t2 = Clock::now();
+    if (spec_.kind == Kind::Ddp) all_reduce_gradients();
+    const auto t3 = Clock::now();
+    optimizer_->step();
+    const auto t4 = Clock::now();
+    last_loss_ = loss.detach();
+    if (record) {
+      for (const auto& [a, b] : {std::pair{t0, t1}, {t1, t2}, {t2, t3}, {t3, t4}}) {
+        phase_us_.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+      }
+    }
+  }
+  // Phases: zero_grad + forward + loss (FSDP: with its all-gather waits),
+  // backward (FSDP: with its reduce-scatters), DDP's all-reduce, AdamW step.
+  static constexpr size_t kPhases = 4;
+  // [recorded step][phase], microseconds on this rank.
+  const std::vector<double>& phase_us() const { return phase_us_; }
+
+  double last_loss() const { return last_loss_.defined() ? last_loss_.item<double>() : 0.0; }
+
+  // Bytes held between steps: parameters (local shards under FSDP),
+  // gradients and AdamW state, as sums of tensor sizes.
+  struct Persistent {
+    int64_t params = 0, grads = 0, optimizer = 0;
+    int64_t total() const { return params + grads + optimizer; }
+  };
+  Persistent persistent() const {
+    Persistent out;
+    for (const auto& p : decoder_->parameters()) {
+      out.params += nbytes(p);
+      out.grads += nbytes(p.grad());
+    }
+    for (const auto& entry : optimizer_->state()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+      out.optimizer += nbytes(s.exp_avg()) + nbytes(s.exp_avg_sq()) + nbytes(s.max_exp_avg_sq());
+    }
+    return out;
+  }
+
+ private:
+  // The whole DDP synchronisation: flatten, one MPI_Allreduce, mean, unflatten.
+  void all_reduce_gradients() {
+    const auto params = decoder_->parameters();
+    int64_t offset = 0;
+    for (const auto& p : params) {
+      at::Tensor slot = bucket_.narrow(0, offset, p.numel());
+      if (p.grad().defined()) {
+        slot.copy_(p.grad().reshape({-1}));
+      } else {
+        slot.zero_();
+      }
+      offset += p.numel();
+    }
+    const int rc = MPI_Allreduce(MPI_IN_PLACE, bucket_.data_ptr<float>(),
+                                 static_cast<int>(bucket_.numel()), MPI_FLOAT, MPI_SUM, comm_);
+    if (rc != MPI_SUCCESS) throw std::runtime_error(fmt::format("MPI_Allreduce returned {}", rc));
+    bucket_.div_(world_);
+    offset = 0;
+    for (auto p : params) {
+      if (p.grad().defined()) {
+        p.mutable_grad().view({-1}).copy_(bucket_.narrow(0, offset, p.numel()));
+      }
+      offset += p.numel();
+    }
+  }
+
+  ConfigSpec spec_;
+  int account_;
+  MPI_Comm comm_;
+  int world_ = 1;
+  models::Decoder decoder_{nullptr};
+  fsdp::Sharded<models::Decoder> net_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  at::Tensor bucket_;  // DDP only
+  at::Tensor last_loss_;
+  std::vector<double> phase_us_;
+};
+
+std::vector<Column> columns() {
+  const std::string step = "step time";
+  const std::string mem = "memory per rank";
+  return {
+      {"config", "config", "", 16, -1, ""},
+      {"step_ms", "median", "(ms)", 9, 1, step},
+      {"step_min_ms", "min", "(ms)", 9, 1, step},
+      {"step_max_ms", "max", "(ms)", 0, 1, step},
+      {"vs_ddp", "vs DDP", "(x)", 7, 3, step},
+      {"vs_single", "vs single", "(x)", 9, 3, step},
+      {"persistent_mib", "persistent", "(MiB)", 10, 2, mem},
+      {"vs_single_over_n", "vs single/N", "(x)", 11, 3, mem},
+      {"held_mib", "held", "(MiB)", 8, 2, mem},
+      {"peak_mib", "peak", "(MiB)", 8, 2, mem},
+      {"forward_ms", "fwd", "(ms)", 7, 1, "phases (median)"},
+      {"backward_ms", "bwd", "(ms)", 7, 1, "phases (median)"},
+      {"sync_ms", "sync", "(ms)", 7, 1, "phases (median)"},
+      {"optimizer_ms", "optim", "(ms)", 7, 1, "phases (median)"},
+      {"collectives_per_step", "AG/RS/AR", "per step", 9, -1, ""},
+      {"persistent_bytes", "", "", 0, -1, mem},
+      {"params_bytes", "", "", 0, -1, mem},
+      {"grads_bytes", "", "", 0, -1, mem},
+      {"optimizer_bytes", "", "", 0, -1, mem},
+      {"held_bytes", "", "", 0, -1, mem},
+      {"peak_bytes", "", "", 0, -1, mem},
+      {"comm_bytes_per_step", "", "", 0, -1, ""},
+      {"final_loss", "", "", 0, -1, ""},
+  };
+}
+
+// num / den, or "-" where the reference did not run (den 0).
+Cell ratio_or_dash(double num, double den) {
+  if (den <= 0) return std::string("-");
+  return num / den;
+}
+
+int run(const Options& o, const fsdp::Runtime& rt) {
+  CountingAllocator& alloc = CountingAllocator::get();
+  alloc.install();
+  const int world = rt.world_size();
+  const int rank = rt.world_rank();
+
+  models::DecoderConfig cfg;
+  if (o.seq > 0) cfg.seq = o.seq;
+  if (o.layers > 0) cfg.layers = o.layers;
+  if (o.hidden > 0) cfg.hidden = o.hidden;
+  if (o.vocab > 0) cfg.vocab = o.vocab;
+  if (o.heads > 0) cfg.heads = o.heads;
+  std::vector<ConfigSpec> specs;
+  for (const ConfigSpec& s : all_configs()) {
+    if (o.configs.empty() ||
+        std::find(o.configs.begin(), o.configs.end(), s.key) != o.configs.end()) {
+      specs.push_back(s);
+    }
+  }
+  const bool any_parallel = std::any_of(specs.begin(), specs.end(),
+                                        [](const ConfigSpec& s) { return s.kind != Kind::Single; });
+  std::string bad;
+  if (any_parallel && o.batch % world != 0) {
+    bad = fmt::format("--batch {} is not a multiple of the world size {}", o.batch, world);
+  } else if (cfg.hidden % cfg.heads != 0) {
+    bad = fmt::format("--hidden {} is not a multiple of --heads {}", cfg.hidden, cfg.heads);
+  }
+  if (!bad.empty()) {
+    // Every rank sees the same numbers and returns alike.
+    if (rank == 0) std::cerr << "fsdp-bench train: " << bad << '\n';
+    return 1;
+  }
+
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+
+  Report report("train", columns(), o.json_path, rank == 0);
+  report.note(fmt::format(
+      "fsdp-bench train: models::Decoder vocab {} hidden {} heads {} layers {} ffn {} seq {} "
+      "(tied output), float32; global batch {} x {} tokens; AdamW lr {}; {} timed steps after "
+      "{} warm-up; seed {}",
+      cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.ffn_dim(), cfg.seq, o.batch, cfg.seq,
+      o.lr, o.timing.iters, o.timing.warmup, o.seed));
+  report.meta("model", {{"vocab", cfg.vocab}, {"hidden", cfg.hidden}, {"heads", cfg.heads},
+                        {"layers", cfg.layers}, {"ffn", cfg.ffn_dim()}, {"seq", cfg.seq},
+                        {"tie_output", cfg.tie_output}});
+  report.meta("global_batch", o.batch);
+  report.meta("steps", o.timing.iters);
+  report.meta("warmup", o.timing.warmup);
+  report.meta("seed", o.seed);
+  report.meta("lr", o.lr);
+  report.meta("forward_prefetch", o.forward_prefetch,
+              o.forward_prefetch ? "FSDP configs: explicit forward prefetch of the next unit"
+                                 : "");
+  add_runtime_meta(report, rt);
+  for (const ConfigSpec& s : specs) report.note(fmt::format("{:>16}: {}", s.key, s.legend));
+  report.note("step: zero_grad + forward + loss + backward (+ DDP all-reduce) + AdamW step; "
+              "each step after a barrier; time = slowest rank; configs interleaved step by "
+              "step");
+  report.note("persistent = parameters as held between steps (local shards under FSDP) + "
+              "gradients + AdamW state, sums of tensor sizes, max over ranks");
+  report.note("held / peak = LibTorch CPU-allocator bytes owned by the config between steps / "
+              "at the highest point of a step (max over timed steps and ranks; BLAS and MPI "
+              "scratch not counted)");
+  report.note("phases (median over steps of the slowest rank): fwd = zero_grad + forward + "
+              "loss (FSDP: with its all-gather waits), bwd = backward (FSDP: with its "
+              "reduce-scatters), sync = DDP's all-reduce, optim = AdamW step");
+  report.note("AG/RS/AR = libfsdp all-gathers / reduce-scatters / all-reduces per step (one "
+              "extra untimed step); DDP's single MPI_Allreduce is outside libfsdp");
+
+  // The data: one global batch per round, the same for every configuration.
+  const int rounds = o.timing.warmup + o.timing.iters;
+  struct Batch {
+    at::Tensor full_in, full_target, mine_in, mine_target;
+  };
+  std::vector<Batch> data;
+  for (int r = 0; r < rounds + 1; ++r) {
+    at::Tensor tokens =
+        models::random_tokens(o.seed * 1000 + static_cast<uint64_t>(r), o.batch, cfg.seq + 1,
+                              cfg.vocab);
+    Batch b;
+    b.full_in = tokens.narrow(1, 0, cfg.seq).contiguous();
+    b.full_target = tokens.narrow(1, 1, cfg.seq).contiguous();
+    if (o.batch % world == 0) {
+      b.mine_in = models::rank_slice(b.full_in, rank, world);
+      b.mine_target = models::rank_slice(b.full_target, rank, world);
+    }
+    data.push_back(std::move(b));
+  }
+
+  std::optional<fsdp::DeviceMesh> mesh;
+  if (std::any_of(specs.begin(), specs.end(),
+                  [](const ConfigSpec& s) { return s.kind == Kind::Fsdp; })) {
+    mesh = fsdp::init_device_mesh("cpu", {world}, {"shard"});
+  }
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    trainers.push_back(
+        std::make_unique<Trainer>(specs[i], static_cast<int>(i) + 1, cfg, o, mesh, comm));
+  }
+
+  // Each variant counts its own calls: time_interleaved calls every variant
+  // once per round, warm-up rounds first.
+  const size_t n = trainers.size();
+  std::vector<int> calls(n, 0);
+  std::vector<int64_t> step_peak(n, 0), held(n, 0);
+  std::vector<std::function<void()>> variants;
+  for (size_t i = 0; i < n; ++i) {
+    variants.push_back([&, i] {
+      Trainer& t = *trainers[i];
+      const Batch& b = data[static_cast<size_t>(calls[i])];
+      const bool timed = calls[i]++ >= o.timing.warmup;
+      if (timed) alloc.reset_peak(t.account());
+      if (t.data_parallel()) {
+        t.step(b.mine_in, b.mine_target, timed);
+      } else {
+        t.step(b.full_in, b.full_target, timed);
+      }
+      if (timed) {
+        step_peak[i] = std::max(step_peak[i], alloc.peak(t.account()));
+        held[i] = alloc.live(t.account());
+      }
+    });
+  }
+  const std::vector<Stats> stats = time_interleaved(comm, variants, o.timing);
+
+  // After timing: losses, persistent bytes, then one more step per config
+  // to count its collectives.
+  std::vector<double> losses(n);
+  std::vector<int64_t> mem;  // per config: persistent, params, grads, optimizer, held, peak
+  for (size_t i = 0; i < n; ++i) {
+    const Trainer& t = *trainers[i];
+    // Data-parallel losses are of this rank's slice of the batch, so
+    // the mean over ranks is the global batch's loss (single: the same on
+    // every rank).
+    losses[i] = t.last_loss() / world;
+    const Trainer::Persistent p = t.persistent();
+    mem.insert(mem.end(), {p.total(), p.params, p.grads, p.optimizer, held[i], step_peak[i]});
+  }
+  losses = sum_over_ranks(comm, losses);
+  mem = max_over_ranks(comm, mem);
+  // Per config and phase: median over timed steps of the slowest rank's time.
+  std::vector<std::array<double, Trainer::kPhases>> phase_ms(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::vector<double> us = max_over_ranks(comm, trainers[i]->phase_us());
+    for (size_t ph = 0; ph < Trainer::kPhases; ++ph) {
+      std::vector<double> column;
+      for (size_t k = ph; k < us.size(); k += Trainer::kPhases) column.push_back(us[k]);
+      phase_ms[i][ph] = summarize(column).median_us / 1e3;
+    }
+  }
+  std::vector<std::array<int64_t, 4>> comm_counts(n);  // AG, RS, AR, bytes
+  for (size_t i = 0; i < n; ++i) {
+    MPI_Barrier(comm);
+    fsdp::reset_collective_counters();
+    const Batch& b = data.back();
+    if (trainers[i]->data_parallel()) {
+      trainers[i]->step(b.mine_in, b.mine_target);
+    } else {
+      trainers[i]->step(b.full_in, b.full_target);
+    }
+    const fsdp::CollectiveCounters c = fsdp::collective_counters();
+    int64_t bytes = 0;
+    for (const auto& entry : c.bytes) bytes += entry.second;
+    if (trainers[i]->spec().kind == Kind::Ddp) bytes = trainers[i]->persistent().grads;
+    comm_counts[i] = {c.total("all_gather"), c.total("reduce_scatter"), c.total("all_reduce"),
+                      bytes};
+  }
+
+  auto find = [&](const std::string& key) -> std::optional<size_t> {
+    for (size_t i = 0; i < n; ++i) {
+      if (specs[i].key == key) return i;
+    }
+    return std::nullopt;
+  };
+  const std::optional<size_t> single = find("single");
+  const std::optional<size_t> ddp = find("ddp");
+  // 0 where the reference configuration did not run.
+  const double single_ms = single ? stats[*single].median_us / 1e3 : 0.0;
+  const double ddp_ms = ddp ? stats[*ddp].median_us / 1e3 : 0.0;
+  const double ideal_share = single ? static_cast<double>(mem[*single * 6]) / world : 0.0;
+
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t* m = &mem[i * 6];
+    const double ms = stats[i].median_us / 1e3;
+    const std::string colls =
+        trainers[i]->spec().kind == Kind::Ddp
+            ? std::string("0/0/0+1")
+            : fmt::format("{}/{}/{}", comm_counts[i][0], comm_counts[i][1], comm_counts[i][2]);
+    report.row({specs[i].key, ms, stats[i].min_us / 1e3, stats[i].max_us / 1e3,
+                ratio_or_dash(ms, ddp_ms), ratio_or_dash(ms, single_ms),
+                static_cast<double>(m[0]) / kMiB, ratio_or_dash(static_cast<double>(m[0]), ideal_share),
+                static_cast<double>(m[4]) / kMiB, static_cast<double>(m[5]) / kMiB,
+                phase_ms[i][0], phase_ms[i][1], phase_ms[i][2], phase_ms[i][3], colls, m[0],
+                m[1], m[2], m[3], m[4], m[5], comm_counts[i][3], losses[i]});
+  }
+  if (ddp) {
+    report.note(fmt::format("{:>16}: '+1' = its one raw MPI_Allreduce of {:.2f} MiB per step",
+                            "ddp", static_cast<double>(mem[*ddp * 6 + 2]) / kMiB));
+  }
+
+  // Same data and seed: every configuration should reach the same loss.
+  double loss_lo = 0, loss_hi = 0;
+  for (size_t i = 0; i < n; ++i) {
+    loss_lo = i == 0 ? losses[i] : std::min(loss_lo, losses[i]);
+    loss_hi = i == 0 ? losses[i] : std::max(loss_hi, losses[i]);
+  }
+  report.summary("final_loss_spread", loss_hi - loss_lo,
+                 fmt::format("loss after the last timed step: {:.6f} .. {:.6f} across configs "
+                             "(same seed and data: they should agree)",
+                             loss_lo, loss_hi));
+
+  const std::optional<size_t> fsdp = find("fsdp");
+  if (fsdp && ddp) {
+    const double r = stats[*fsdp].median_us / stats[*ddp].median_us;
+    const bool applies = world == kStepTargetWorld;
+    report.summary("step_ratio_fsdp_vs_ddp", r);
+    report.summary("step_target_met", applies ? nlohmann::json(r <= kStepTarget) : nullptr,
+                   fmt::format("target FSDP (reshard_after_forward=true) step <= {:.2f}x DDP at "
+                               "np {}: {:.3f}x -> {}",
+                               kStepTarget, kStepTargetWorld, r,
+                               !applies ? "n/a at this world size"
+                                        : (r <= kStepTarget ? "MET" : "NOT MET")));
+  } else {
+    report.summary("step_target_met", nullptr,
+                   "target FSDP step <= 1.05x DDP: not evaluated (needs configs fsdp and ddp)");
+  }
+  if (single) {
+    nlohmann::json per = nlohmann::json::object();
+    std::string text;
+    bool fsdp_met = true;
+    for (size_t i = 0; i < n; ++i) {
+      if (specs[i].kind != Kind::Fsdp) continue;
+      const double r = static_cast<double>(mem[i * 6]) / ideal_share;
+      per[specs[i].key] = r;
+      fsdp_met = fsdp_met && r <= kMemoryTarget;
+      text += fmt::format("{}{} {:.4f}x", text.empty() ? "" : ", ", specs[i].key, r);
+    }
+    report.summary("persistent_vs_single_over_n", per);
+    report.summary("memory_target_met", text.empty() ? nullptr : nlohmann::json(fsdp_met),
+                   text.empty() ? "target FSDP persistent <= single/N + 2%: no FSDP config run"
+                                : fmt::format("target FSDP persistent bytes/rank <= single/N + "
+                                              "{:.0f}%: {} -> {}",
+                                              (kMemoryTarget - 1) * 100, text,
+                                              fsdp_met ? "MET" : "NOT MET"));
+  } else {
+    report.summary("memory_target_met", nullptr,
+                   "target FSDP persistent <= single/N + 2%: not evaluated (needs config single)");
+  }
+  report.finish();
+
+  trainers.clear();
+  MPI_Comm_free(&comm);
+  return 0;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, Command& chosen) {
+  auto o = std::make_shared<Options>();
+  CLI::App* sub = app.add_subcommand(
+      "train",
+      "Training step time and memory per rank of the LLM decoder: single-process, DDP "
+      "(one MPI_Allreduce) and FSDP variants on the same model and global batch. Run under "
+      "mpiexec; rank 0 prints.");
+  sub->add_option("--batch", o->batch, "Global batch in sequences (a multiple of the ranks)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  sub->add_option("-n,--steps", o->timing.iters, "Timed steps per configuration")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  sub->add_option("-w,--warmup", o->timing.warmup, "Untimed steps first")
+      ->check(CLI::Range(0, 100000))
+      ->capture_default_str();
+  const models::DecoderConfig defaults;
+  sub->add_option("--seq", o->seq, "Sequence length")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->default_str(std::to_string(defaults.seq));
+  sub->add_option("--layers", o->layers, "Decoder layers")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->default_str(std::to_string(defaults.layers));
+  sub->add_option("--hidden", o->hidden, "Hidden size (a multiple of --heads)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->default_str(std::to_string(defaults.hidden));
+  sub->add_option("--heads", o->heads, "Attention heads")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->default_str(std::to_string(defaults.heads));
+  sub->add_option("--vocab", o->vocab, "Vocabulary size")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->default_str(std::to_string(defaults.vocab));
+  sub->add_option("--seed", o->seed, "Model and data seed")->capture_default_str();
+  sub->add_flag("--forward-prefetch", o->forward_prefetch,
+                "FSDP configs: each unit's forward prefetches the next unit's all-gather "
+                "(set_modules_to_forward_prefetch); default off, as in plain fully_shard");
+  std::vector<std::string> names;
+  for (const ConfigSpec& s : all_configs()) names.push_back(s.key);
+  sub->add_option("--configs", o->configs, "Configurations to run, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::IsMember(names))
+      ->default_str("single,ddp,fsdp,fsdp-no-reshard,fsdp-fused");
+  sub->add_option("--json", o->json_path,
+                  "Write JSON: '--json' alone prints it to stdout instead of the table; "
+                  "'--json FILE' keeps the table and writes FILE")
+      ->expected(0, 1)
+      ->default_str("-");
+  sub->callback([o, &chosen] { chosen = [o](const fsdp::Runtime& rt) { return run(*o, rt); }; });
+}
+
+}  // namespace fsdp_bench

@@ -1,0 +1,74 @@
+// fsdp-train's run configuration: the command-line flags, their checks, and
+// the part of them that a checkpoint must agree with on --resume.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp_train {
+
+// A mistake in the flags or in what they point at, found alike on every rank
+// (so the job ends with one message and no MPI_Abort).
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct TrainConfig {
+  // Model (fixed by the job; recorded in checkpoints).
+  int64_t vocab = 256;
+  int64_t hidden = 256;
+  int64_t heads = 4;
+  int64_t layers = 4;
+
+  std::string mesh;  // "" = 1-D over the world; "N" or "RxS"
+  std::string mp = "fp32";
+  bool reshard_after_forward = true;
+  std::string ac = "none";
+  int64_t steps = 100;
+  int64_t batch = 8;
+  int64_t seq = 128;
+  double lr = 3e-3;
+  uint64_t seed = 0;
+  double clip = 1.0;
+  std::string out = "fsdp-train-out";
+  std::string data;
+  int64_t checkpoint_every = 0;  // 0 = at the end only
+  bool resume = false;
+  bool verify = false;
+  double verify_tol = 0.0;  // 0 = default for the precision
+  int64_t log_every = 0;    // 0 = automatic
+
+  // Resolved by resolve().
+  std::vector<int64_t> mesh_shape;
+  int64_t dp_size = 1;  // data-parallel ranks (= world size)
+
+  bool bf16() const { return mp == "bf16"; }
+  bool hsdp() const { return mesh_shape.size() == 2; }
+  std::string mesh_string() const;  // "[2]" or "[2x2] (replicate x shard)"
+  double tolerance() const;
+};
+
+// Registers every flag on `app`, writing into `cfg`.
+void add_flags(CLI::App& app, TrainConfig& cfg);
+
+// Parses the mesh, checks every flag against the world size and the corpus
+// size; ConfigError naming the flag otherwise.
+void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes);
+
+// What a checkpoint records and --resume requires to match: everything that
+// changes the numbers (world, mesh, precision, model, optimizer, data), not
+// how they are computed (resharding, activation checkpointing, logging).
+nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t data_bytes,
+                             uint64_t data_hash);
+
+// Throws ConfigError naming the first entry where `saved` and `current`
+// differ ("mesh: checkpoint [2], this run [2x1]").
+void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& current,
+                         const std::string& where);
+
+}  // namespace fsdp_train

@@ -1,0 +1,317 @@
+// fsdp-train: trains a byte-level decoder LM (models::Decoder: vocab 256,
+// hidden 256, 4 heads, 4 layers, tied output) on the embedded corpus with
+// fully_shard per decoder layer and at the root, on every rank of the job:
+//
+//   mpiexec -n 2 fsdp-train [--mesh 2 | --mesh 2x2] [--mp fp32|bf16] [--ac none|all|every-2]
+//                           [--steps 100] [--batch 8] [--seq 128] [--resume] [--verify] ...
+//
+// Rank 0 prints one progress line per step (progress.h), writes
+// <out>/loss.csv and <out>/loss.png, and every rank writes its shards of the
+// sharded HDF5 checkpoint <out>/checkpoint/ (checkpoint.h). --verify re-runs
+// the steps unsharded on rank 0 and compares the losses (verify.h).
+#include "checkpoint.h"
+#include "config.h"
+#include "corpus.h"
+#include "model.h"
+#include "plot.h"
+#include "progress.h"
+#include "verify.h"
+
+#include <fsdp/clip_grad.h>
+#include <fsdp/mesh.h>
+#include <fsdp/runtime.h>
+
+#include <ATen/Parallel.h>
+#include <torch/version.h>
+
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+namespace fsdp_train {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kVerifyFailed = 3;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double global_mean(double local) {
+  double sum = 0;
+  MPI_Allreduce(&local, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  return sum / world;
+}
+
+// The other ranks wait for rank 0's single-process run without spinning a
+// core (a blocking MPI_Barrier busy-polls in Open MPI).
+void idle_barrier() {
+  MPI_Request request;
+  MPI_Ibarrier(MPI_COMM_WORLD, &request);
+  int done = 0;
+  while (true) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::string now_utc() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string abs_path(const std::string& p) {
+  std::error_code ec;
+  auto a = fs::absolute(p, ec);
+  return ec ? p : a.lexically_normal().string();
+}
+
+int train(fsdp::Runtime& rt, TrainConfig& cfg) {
+  const int rank = rt.world_rank(), world = rt.world_size();
+  const bool lead = rank == 0;
+  const Corpus corpus = Corpus::load(cfg.data);
+  resolve(cfg, world, corpus.size());
+  const nlohmann::json numerics = numerics_json(cfg, world, corpus.size(), corpus.hash());
+  if (lead) {
+    std::error_code ec;
+    fs::create_directories(cfg.out, ec);
+    if (ec) std::cerr << "fsdp-train: cannot create " << cfg.out << ": " << ec.message() << "\n";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (!fs::is_directory(cfg.out)) throw ConfigError("--out " + cfg.out + ": cannot create it");
+
+  const auto mesh =
+      cfg.hsdp() ? fsdp::init_device_mesh(rt.device().type(), cfg.mesh_shape, {"replicate", "shard"})
+                 : fsdp::init_device_mesh(rt.device().type(), cfg.mesh_shape, {"shard"});
+  models::Decoder net = build_decoder(cfg);
+  const int64_t n_params = parameter_count(net);
+  ShardedDecoder sharded = shard_decoder(net, cfg, mesh);
+  fsdp::FSDPModule root = sharded.units.back().second;
+  auto opt = make_optimizer(net, cfg);
+  const std::vector<at::Tensor> params = net->parameters();
+  std::vector<std::string> names;
+  for (const auto& item : net->named_parameters()) names.push_back(item.key());
+
+  int64_t start = 0;
+  std::string resumed_from;
+  if (cfg.resume) {
+    LoadedCheckpoint ckpt = read_checkpoint(cfg.out, numerics, rank, world);
+    load_local_state(sharded, ckpt.shards);
+    load_optimizer_state(ckpt, names, opt);
+    start = ckpt.step;
+    resumed_from = ckpt.dir;
+  }
+
+  const int64_t tokens_per_step = cfg.batch * cfg.seq;
+  if (lead) {
+    std::cout << fmt::format(
+                     "fsdp-train: {} ranks, mesh {}, mp {}, reshard-after-forward {}, ac {} | "
+                     "model {:.2f}M params (byte decoder: vocab {}, hidden {}, heads {}, layers "
+                     "{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per rank) | "
+                     "data {} ({} bytes) | {} steps, AdamW lr {} wd 0, clip {}, seed {} | {} "
+                     "thread(s)/rank, LibTorch {}, BLAS {}",
+                     world, cfg.mesh_string(), cfg.mp, cfg.reshard_after_forward, cfg.ac,
+                     n_params / 1e6, cfg.vocab, cfg.hidden, cfg.heads, cfg.layers,
+                     decoder_config(cfg).ffn_dim(), cfg.batch, cfg.seq, tokens_per_step,
+                     cfg.batch / cfg.dp_size, cfg.data, corpus.size(), cfg.steps, cfg.lr,
+                     cfg.clip, cfg.seed, at::get_num_threads(), TORCH_VERSION,
+                     rt.blas_library())
+              << std::endl;
+    if (cfg.resume) {
+      std::cout << fmt::format("fsdp-train: resumed from {} at step {}", resumed_from, start)
+                << std::endl;
+    }
+  }
+
+  std::unique_ptr<LossLog> log;
+  if (lead) {
+    log = std::make_unique<LossLog>(cfg.out + "/loss.csv", start);
+    if (cfg.resume && log->kept() < start) {
+      std::cout << fmt::format(
+                       "fsdp-train: note: {} had {} of the {} steps before the checkpoint; the "
+                       "CSV and the plot miss the others",
+                       log->path(), log->kept(), start)
+                << std::endl;
+    }
+  }
+
+  nlohmann::json run = {{"flags",
+                         {{"mesh", cfg.mesh}, {"mp", cfg.mp},
+                          {"reshard_after_forward", cfg.reshard_after_forward}, {"ac", cfg.ac},
+                          {"steps", cfg.steps}, {"checkpoint_every", cfg.checkpoint_every}}},
+                        {"torch", TORCH_VERSION}};
+  auto save = [&](int64_t step) {
+    run["written"] = now_utc();
+    const auto t0 = Clock::now();
+    save_checkpoint(cfg.out, step, numerics, run, local_state(sharded), opt, rank, world);
+    if (lead) {
+      std::cout << fmt::format("checkpoint: step {} -> {} ({:.2f}s)", step,
+                               checkpoint_dir(cfg.out), seconds_since(t0))
+                << std::endl;
+    }
+  };
+
+  Progress progress(cfg.steps, start, tokens_per_step, cfg.log_every);
+  const auto run_start = Clock::now();
+  for (int64_t step = start + 1; step <= cfg.steps; ++step) {
+    const auto t0 = Clock::now();
+    const at::Tensor tokens =
+        local_slice(corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq), rank, cfg.dp_size);
+    root.zero_grad();
+    at::Tensor loss = lm_loss_of(sharded.model(tokens.narrow(1, 0, cfg.seq)), tokens);
+    loss.backward();
+    const double norm = cfg.clip > 0 ? fsdp::clip_grad_norm_(params, cfg.clip)
+                                     : fsdp::total_grad_norm(params);
+    opt.step();
+    const double mean_loss = global_mean(loss.item<double>());
+    const double tok_s = progress.record(seconds_since(t0));
+    const bool print = progress.should_log(step);
+    const MemoryPeak mem = print ? gather_peak_rss() : MemoryPeak{};
+    if (lead) {
+      log->add({step, mean_loss, norm, tok_s});
+      if (print) std::cout << progress.line(step, mean_loss, mem) << std::endl;
+    }
+    if (step == cfg.steps || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)) {
+      save(step);
+    }
+  }
+  const double train_seconds = seconds_since(run_start);
+  if (lead && progress.steps_done() > 0) {
+    std::cout << fmt::format("trained {} steps in {} ({:.2f} s/step, {:.0f} tok/s over the run)",
+                             progress.steps_done(), format_duration(train_seconds),
+                             progress.mean_step_seconds(),
+                             progress.steps_done() * tokens_per_step / progress.total_seconds())
+              << std::endl;
+  } else if (lead) {
+    std::cout << fmt::format("fsdp-train: the checkpoint is already at step {} of --steps {}: "
+                             "nothing to train",
+                             start, cfg.steps)
+              << std::endl;
+  }
+
+  int status = 0;
+  std::vector<Curve> curves{{cfg.out + "/loss.csv",
+                             fmt::format("fsdp-train: {} ranks, mesh {}, {}", world,
+                                         cfg.mesh_string(), cfg.mp)}};
+  if (cfg.verify) {
+    if (lead) {
+      std::cout << fmt::format("verify: re-running steps 1..{} unsharded in one process ({})",
+                               cfg.steps,
+                               cfg.bf16() ? "fp32 master, bf16 compute, one micro-batch per rank"
+                                          : "fp32, one micro-batch per rank")
+                << std::endl;
+      const auto t0 = Clock::now();
+      const auto single = run_reference(cfg, corpus, [&](const LossRow& r) {
+        const int64_t every = std::max<int64_t>(cfg.log_every, (cfg.steps + 9) / 10);
+        if (r.step % every == 0 || r.step == cfg.steps) {
+          std::cout << fmt::format("verify step {}/{}  loss {:.4f}", r.step, cfg.steps, r.loss)
+                    << std::endl;
+        }
+      });
+      LossLog::write_all(cfg.out + "/loss_single.csv", single);
+      curves.push_back({cfg.out + "/loss_single.csv", "single process, unsharded (--verify)"});
+      const Comparison c = compare_losses(log->rows(), single);
+      const double tol = cfg.tolerance();
+      const bool ok = c.compared > 0 && c.max_abs_diff <= tol;
+      std::cout << fmt::format(
+                       "verify: max |loss difference| {:.3g} over {} steps ({}), tolerance {:g} "
+                       "({}): {} [{}]",
+                       c.max_abs_diff, c.compared,
+                       c.max_abs_diff == 0 ? std::string("bitwise identical")
+                                           : fmt::format("worst at step {}", c.worst_step),
+                       tol, cfg.mp, ok ? "PASS" : "FAIL", format_duration(seconds_since(t0)))
+                << std::endl;
+      if (!ok) {
+        status = kVerifyFailed;
+        if (!cfg.bf16() && cfg.dp_size > 2 && !(cfg.hsdp() && cfg.mesh_shape[0] == 2 &&
+                                                cfg.mesh_shape[1] == 2)) {
+          std::cout << fmt::format(
+                           "verify: note: the reference sums the {} ranks' gradients pairwise; "
+                           "MPI's reduction over {} ranks may group them differently, and fp32 "
+                           "rounding differences grow at loss spikes (exact: 1-2 ranks, HSDP "
+                           "2x2); see --verify-tol",
+                           cfg.dp_size, cfg.dp_size)
+                    << std::endl;
+        }
+      }
+      idle_barrier();
+    } else {
+      idle_barrier();
+    }
+  }
+
+  if (lead) {
+    const std::string png = cfg.out + "/loss.png";
+    const std::string note = plot_losses(
+        curves, png, fmt::format("fsdp-train: byte decoder {:.2f}M params", n_params / 1e6));
+    std::cout << "outputs:\n";
+    if (note.empty()) {
+      std::cout << "  plot        " << abs_path(png) << "\n";
+    } else {
+      std::cout << "  plot        (none) note: " << note << "\n";
+    }
+    std::cout << "  loss CSV    " << abs_path(cfg.out + "/loss.csv") << "\n";
+    if (cfg.verify) std::cout << "  verify CSV  " << abs_path(cfg.out + "/loss_single.csv") << "\n";
+    if (fs::exists(checkpoint_dir(cfg.out) + "/meta.json")) {
+      std::cout << "  checkpoint  " << abs_path(checkpoint_dir(cfg.out))
+                << "/ (resume: add --resume --steps N)\n";
+    }
+    std::cout << std::flush;
+  }
+  return status;
+}
+
+int run(int argc, char** argv) {
+  fsdp::RuntimeOptions options;
+  options.log_banner = false;  // the configuration line says what matters
+  fsdp::Runtime rt(&argc, &argv, options);
+  CLI::App app{
+      "fsdp-train: trains a byte-level decoder LM with fully_shard (per layer + root) on every "
+      "rank of the job; run under mpiexec"};
+  TrainConfig cfg;
+  add_flags(app, cfg);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // Every rank parses the same argv and fails alike; one message is enough.
+    return rt.world_rank() == 0 ? app.exit(e) : e.get_exit_code();
+  }
+  try {
+    return train(rt, cfg);
+  } catch (const ConfigError& e) {
+    // Raised alike on every rank (or agreed on): one message, a clean exit.
+    if (rt.world_rank() == 0) std::cerr << "fsdp-train: error: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-train: rank " << rt.world_rank() << ": " << e.what() << std::endl;
+    // The other ranks may be blocked in a collective this rank will never join.
+    if (rt.world_size() > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_train
+
+int main(int argc, char** argv) {
+  try {
+    return fsdp_train::run(argc, argv);
+  } catch (const std::exception& e) {  // the Runtime could not start
+    std::cerr << "fsdp-train: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,54 @@
+// The job's model: the byte-level models::Decoder, sharded per decoder layer
+// and then at the root (embedding, tied output and final norm), with optional
+// activation checkpointing of the layers, and the training step shared by
+// the sharded run and the single-process --verify run.
+#pragma once
+
+#include "config.h"
+
+#include <fsdp/fully_shard.h>
+#include <models/llm.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/adamw.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp_train {
+
+models::DecoderConfig decoder_config(const TrainConfig& cfg);
+
+// A fresh decoder with the job's initial weights (models::init_weights(seed)):
+// identical on every rank and in the --verify run.
+models::Decoder build_decoder(const TrainConfig& cfg);
+
+int64_t parameter_count(const models::Decoder& net);
+
+struct ShardedDecoder {
+  models::Decoder net;
+  fsdp::Sharded<models::Decoder> model;  // call this one: routed through the root unit
+  // Each unit with the prefix of its parameter names in net->named_parameters().
+  std::vector<std::pair<std::string, fsdp::FSDPModule>> units;
+};
+
+// fully_shard on each layer, then the root, on `mesh`; --ac marks layers.
+ShardedDecoder shard_decoder(models::Decoder net, const TrainConfig& cfg,
+                             const fsdp::DeviceMesh& mesh);
+
+// This rank's parameter shards by full name ("layer0.attn.qkv.weight"), from
+// the units' sharded state dicts (FSDPModule::state_dict -> to_local).
+std::vector<std::pair<std::string, at::Tensor>> local_state(const ShardedDecoder& d);
+// Loads shards of the local shape back through FSDPModule::load_state_dict.
+// Every parameter must be present (ConfigError naming the first one missing).
+void load_local_state(ShardedDecoder& d,
+                      const std::vector<std::pair<std::string, at::Tensor>>& state);
+
+torch::optim::AdamW make_optimizer(const models::Decoder& net, const TrainConfig& cfg);
+
+// Mean next-byte cross-entropy of `tokens` [b, seq + 1] (logits in fp32).
+at::Tensor lm_loss_of(const at::Tensor& logits, const at::Tensor& tokens);
+
+}  // namespace fsdp_train

@@ -1,0 +1,98 @@
+#include "verify.h"
+
+#include "model.h"
+
+#include <fsdp/clip_grad.h>
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+
+namespace fsdp_train {
+
+std::vector<LossRow> run_reference(const TrainConfig& cfg, const Corpus& corpus,
+                                   const std::function<void(const LossRow&)>& on_step) {
+  models::Decoder master = build_decoder(cfg);
+  auto opt = make_optimizer(master, cfg);
+  const auto params = master->parameters();
+  // fp32: the master computes; bf16: a bf16 copy computes, the master steps.
+  models::Decoder compute = master;
+  if (cfg.bf16()) {
+    compute = models::Decoder(decoder_config(cfg));
+    compute->to(at::kBFloat16);
+  }
+  const auto compute_params = compute->parameters();
+  const int64_t tokens_per_step = cfg.batch * cfg.seq;
+
+  std::vector<LossRow> rows;
+  for (int64_t step = 1; step <= cfg.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const at::Tensor tokens = corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq);
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    if (cfg.bf16()) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) compute_params[i].copy_(params[i]);
+    }
+    // One micro-batch per data-parallel rank; their fp32 gradients are summed
+    // pairwise in rank order ((g0 + g1) + (g2 + g3) ...: a reduction over 2
+    // ranks, and HSDP's shard-then-replicate reduction over 2x2) and divided
+    // by the rank count.
+    double loss = 0;
+    std::vector<std::vector<at::Tensor>> grads;  // [rank][param]
+    for (int64_t r = 0; r < cfg.dp_size; ++r) {
+      const at::Tensor local = local_slice(tokens, r, cfg.dp_size);
+      for (auto& p : compute_params) p.mutable_grad() = at::Tensor();
+      at::Tensor l = lm_loss_of(compute->forward(local.narrow(1, 0, cfg.seq)), local);
+      l.backward();
+      loss += l.item<double>();
+      grads.emplace_back();
+      for (auto& p : compute_params) grads.back().push_back(p.grad().to(at::kFloat).clone());
+    }
+    while (grads.size() > 1) {
+      std::vector<std::vector<at::Tensor>> next;
+      for (size_t r = 0; r + 1 < grads.size(); r += 2) {
+        for (size_t i = 0; i < params.size(); ++i) grads[r][i].add_(grads[r + 1][i]);
+        next.push_back(std::move(grads[r]));
+      }
+      if (grads.size() % 2 == 1) next.push_back(std::move(grads.back()));
+      grads = std::move(next);
+    }
+    loss /= static_cast<double>(cfg.dp_size);
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = grads[0][i].div_(static_cast<double>(cfg.dp_size));
+    }
+    // fsdp's clipping on plain tensors: no communication, the norm accumulated
+    // in double as for the shards (LibTorch's fp32 norm differs by ~1e-6
+    // relative, enough to start the drift described in verify.h).
+    const double norm = cfg.clip > 0 ? fsdp::clip_grad_norm_(params, cfg.clip)
+                                     : fsdp::total_grad_norm(params);
+    opt.step();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rows.push_back({step, loss, norm, seconds > 0 ? tokens_per_step / seconds : 0.0});
+    if (on_step) on_step(rows.back());
+  }
+  return rows;
+}
+
+Comparison compare_losses(const std::vector<LossRow>& sharded, const std::vector<LossRow>& single) {
+  std::map<int64_t, double> ref;
+  for (const auto& r : single) ref[r.step] = r.loss;
+  Comparison c;
+  for (const auto& r : sharded) {
+    auto it = ref.find(r.step);
+    if (it == ref.end()) continue;
+    ++c.compared;
+    const double d = std::abs(r.loss - it->second);
+    if (!(d <= c.max_abs_diff)) {  // NaN counts as worst
+      c.max_abs_diff = std::isnan(d) ? std::numeric_limits<double>::infinity() : d;
+      c.worst_step = r.step;
+    }
+  }
+  return c;
+}
+
+}  // namespace fsdp_train
