@@ -163,9 +163,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
     for (const auto& name : c.recorded()) s.grads[name] = view.value(name, /*grad=*/true);
 
     opt.step();
-    if (spec.record_params) {
-      for (const auto& name : c.recorded()) s.params[name] = view.value(name, /*grad=*/false);
-    }
+    for (const auto& name : c.recorded()) s.params[name] = view.value(name, /*grad=*/false);
     record.steps.push_back(std::move(s));
   }
   return record;

@@ -37,8 +37,6 @@ struct RunSpec {
   // FSDP: {world} (1-D) or {replicate, shard} (HSDP); product = world size.
   std::vector<int64_t> mesh_shape;
   bool reshard_after_forward = true;
-  // Also record what record_params names after each optimizer step.
-  bool record_params = true;
 };
 
 struct StepRecord {
