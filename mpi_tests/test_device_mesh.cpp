@@ -1,6 +1,8 @@
 // L0: DeviceMesh layouts (4,), (2,2), (1,4), (2,1,2) at np 4 -- coordinates,
 // per-dim groups, sub-meshes and flatten, each group proven by a real
-// all_reduce over exactly the expected members.
+// all_reduce over exactly the expected members; unflatten views against
+// init_device_mesh of the same shape, concatenate of slices, and the views'
+// argument errors.
 #include "spmd.h"
 
 #include <fsdp/errors.h>
@@ -8,6 +10,8 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -26,6 +30,43 @@ void expect_group_members(const fsdp::ProcessGroupPtr& group, const std::vector<
 
 void require_world(int n) {
   BOOST_TEST_REQUIRE(spmd::world_size() == n, "this case is written for " << n << " ranks");
+}
+
+// `view` has the layout, coordinates and (cached, hence identical) groups
+// of `ref`; each of view's groups is also proven by a real all_reduce over
+// the members that mesh.h's row-major rule gives (computed here by hand
+// from `ref_members`, one member list per dim).
+void expect_same_mesh(const fsdp::DeviceMesh& view, const fsdp::DeviceMesh& ref,
+                      const std::vector<std::vector<int>>& ref_members) {
+  BOOST_TEST((view == ref));
+  BOOST_TEST(view.ndim() == ref.ndim());
+  BOOST_TEST(view.shape() == ref.shape(), boost::test_tools::per_element());
+  BOOST_TEST(view.dim_names() == ref.dim_names(), boost::test_tools::per_element());
+  BOOST_TEST(view.world_ranks() == ref.world_ranks(), boost::test_tools::per_element());
+  BOOST_TEST(view.get_coordinate() == ref.get_coordinate(), boost::test_tools::per_element());
+  BOOST_TEST(view.get_rank() == ref.get_rank());
+  BOOST_TEST_REQUIRE(static_cast<int>(ref_members.size()) == view.ndim());
+  for (int d = 0; d < view.ndim(); ++d) {
+    BOOST_TEST_CONTEXT("dim " << d) {
+      BOOST_TEST(view.get_group(d).get() == ref.get_group(d).get());
+      expect_group_members(view.get_group(d), ref_members[static_cast<size_t>(d)]);
+    }
+  }
+}
+
+// Runs `f`, which must throw MeshError whose argument() and what() name
+// `argument`.
+void check_mesh_error(const std::function<void()>& f, const std::string& argument) {
+  bool thrown = false;
+  try {
+    f();
+  } catch (const fsdp::MeshError& e) {
+    thrown = true;
+    BOOST_TEST(e.argument() == argument);
+    BOOST_CHECK_MESSAGE(std::string(e.what()).find("'" + argument + "'") != std::string::npos,
+                        "message does not name '" << argument << "': " << e.what());
+  }
+  BOOST_CHECK_MESSAGE(thrown, "no MeshError naming '" << argument << "' was thrown");
 }
 
 }  // namespace
@@ -143,4 +184,201 @@ BOOST_AUTO_TEST_CASE(mesh_default_names_and_cache) {
   auto b = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"x", "y"});
   BOOST_TEST(a.get_group(0).get() == b.get_group("x").get());
   BOOST_TEST(a.get_group(1).get() == b.get_group("y").get());
+}
+
+// unflatten of the world mesh: every shape init_device_mesh accepts at np 4,
+// compared with init_device_mesh of that shape. Members by hand, row-major.
+BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {
+  require_world(4);
+  const int r = spmd::rank();
+  const auto world = fsdp::init_device_mesh(c10::kCPU, {4}, {"world"});
+  const std::vector<int> all = {0, 1, 2, 3};
+  const int a = r / 2, b = r % 2;
+
+  // (2, 2): rank r = (r / 2, r % 2).
+  const auto u22 = world.unflatten(0, {2, 2}, {"dp", "tp"});
+  BOOST_TEST(u22.get_coordinate() == (std::vector<int64_t>{a, b}),
+             boost::test_tools::per_element());
+  expect_same_mesh(u22, fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"dp", "tp"}),
+                   {{b, b + 2}, {2 * a, 2 * a + 1}});
+  // The other dims of the source keep their groups: here the "tp" slice of
+  // the view is the same group a (2, 2) init mesh has.
+  BOOST_TEST(u22["tp"].world_ranks() == (std::vector<int>{2 * a, 2 * a + 1}),
+             boost::test_tools::per_element());
+
+  // (2, 1, 2) by name.
+  const auto u212 = world.unflatten("world", {2, 1, 2}, {"pp", "tp", "dp"});
+  BOOST_TEST(u212.get_coordinate() == (std::vector<int64_t>{a, 0, b}),
+             boost::test_tools::per_element());
+  expect_same_mesh(u212, fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"}),
+                   {{b, b + 2}, {r}, {2 * a, 2 * a + 1}});
+
+  // (1, 4) and (4, 1): a size-1 dim's group is {r}, the other is the world.
+  expect_same_mesh(world.unflatten(0, {1, 4}, {"x", "y"}),
+                   fsdp::init_device_mesh(c10::kCPU, {1, 4}, {"x", "y"}), {{r}, all});
+  expect_same_mesh(world.unflatten(0, {4, 1}, {"x", "y"}),
+                   fsdp::init_device_mesh(c10::kCPU, {4, 1}, {"x", "y"}), {all, {r}});
+
+  // One size: a rename over the same group, no new communicator.
+  const auto renamed = world.unflatten(0, {4}, {"dp"});
+  expect_same_mesh(renamed, fsdp::init_device_mesh(c10::kCPU, {4}, {"dp"}), {all});
+  BOOST_TEST(renamed.get_group(0).get() == world.get_group(0).get());
+  BOOST_TEST(renamed.dim_names() == std::vector<std::string>{"dp"},
+             boost::test_tools::per_element());
+  // The world mesh itself is unchanged.
+  BOOST_TEST(world.shape() == std::vector<int64_t>{4}, boost::test_tools::per_element());
+  BOOST_TEST(world.dim_names() == std::vector<std::string>{"world"},
+             boost::test_tools::per_element());
+}
+
+// unflatten of one dim of a 2-D and a 3-D mesh, and of a slice.
+BOOST_AUTO_TEST_CASE(mesh_unflatten_inner_dim_and_slice) {
+  require_world(4);
+  const int r = spmd::rank();
+  const int a = r / 2, b = r % 2;
+  const auto m = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"rep", "shard"});
+
+  // (2, 2) -> (1, 2, 2): the new leading dim of size 1.
+  expect_same_mesh(m.unflatten(0, {1, 2}, {"pp", "dp"}),
+                   fsdp::init_device_mesh(c10::kCPU, {1, 2, 2}, {"pp", "dp", "shard"}),
+                   {{r}, {b, b + 2}, {2 * a, 2 * a + 1}});
+  // (2, 2) -> (2, 2, 1) by name; the replaced dim's own name may be reused.
+  expect_same_mesh(m.unflatten("shard", {2, 1}, {"shard", "tp"}),
+                   fsdp::init_device_mesh(c10::kCPU, {2, 2, 1}, {"rep", "shard", "tp"}),
+                   {{b, b + 2}, {2 * a, 2 * a + 1}, {r}});
+
+  // (2, 1, 2) with the middle dim split into (1, 1) -> (2, 1, 1, 2).
+  const auto m3 = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  expect_same_mesh(m3.unflatten("tp", {1, 1}, {"etp", "cp"}),
+                   fsdp::init_device_mesh(c10::kCPU, {2, 1, 1, 2}, {"pp", "etp", "cp", "dp"}),
+                   {{b, b + 2}, {r}, {r}, {2 * a, 2 * a + 1}});
+
+  // A slice over ranks {2a, 2a+1} unflattened to (2, 1): each rank calls it
+  // on its own slice, and the slices partition the world.
+  const auto row = m["shard"];
+  const auto v = row.unflatten(0, {2, 1}, {"p", "q"});
+  BOOST_TEST(v.shape() == (std::vector<int64_t>{2, 1}), boost::test_tools::per_element());
+  BOOST_TEST(v.world_ranks() == (std::vector<int>{2 * a, 2 * a + 1}),
+             boost::test_tools::per_element());
+  BOOST_TEST(v.get_coordinate() == (std::vector<int64_t>{b, 0}), boost::test_tools::per_element());
+  BOOST_TEST(v.get_rank() == b);
+  expect_group_members(v.get_group("p"), {2 * a, 2 * a + 1});
+  expect_group_members(v.get_group("q"), {r});
+  BOOST_TEST(v.get_group("p").get() == m.get_group("shard").get());
+}
+
+// torchtitan-style views of one world mesh at np 4 (PARALLELISM.md 6.1):
+// dense (dp_replicate, fsdp, tp) = (1, 2, 2), sparse (efsdp, ep) = (1, 4)
+// with efsdp = fsdp * tp / ep, and the loss view flatten(dp_replicate, fsdp).
+BOOST_AUTO_TEST_CASE(mesh_unflatten_dense_and_sparse_views) {
+  require_world(4);
+  const int r = spmd::rank();
+  const int a = r / 2, b = r % 2;
+  const auto world = fsdp::init_device_mesh(c10::kCPU, {4}, {"world"});
+  const auto dense = world.unflatten(0, {1, 2, 2}, {"dp_replicate", "fsdp", "tp"});
+  const auto sparse = world.unflatten(0, {1, 4}, {"efsdp", "ep"});
+  expect_group_members(dense.get_group("fsdp"), {b, b + 2});
+  expect_group_members(dense.get_group("tp"), {2 * a, 2 * a + 1});
+  expect_group_members(sparse.get_group("ep"), {0, 1, 2, 3});
+  expect_group_members(sparse.get_group("efsdp"), {r});
+  // Equal member lists built from two views share one communicator.
+  BOOST_TEST(sparse.get_group("ep").get() == world.get_group(0).get());
+  const auto fsdp_tp = dense[{"fsdp", "tp"}].flatten("dp");
+  BOOST_TEST(fsdp_tp.get_group(0).get() == world.get_group(0).get());
+  const auto loss = dense[{"dp_replicate", "fsdp"}].flatten();
+  BOOST_TEST(loss.dim_names() == std::vector<std::string>{"dp_replicate_fsdp"},
+             boost::test_tools::per_element());
+  BOOST_TEST(loss.get_group(0).get() == dense.get_group("fsdp").get());
+  // The views are roots of their own: their slices concatenate within a view.
+  BOOST_TEST((fsdp::DeviceMesh::concatenate({dense["fsdp"], dense["tp"]}) ==
+              dense[{"fsdp", "tp"}]));
+  check_mesh_error([&] { fsdp::DeviceMesh::concatenate({dense["fsdp"], sparse["ep"]}); },
+                   "meshes");
+  check_mesh_error([&] { fsdp::DeviceMesh::concatenate({world, dense["tp"]}); }, "meshes");
+}
+
+// concatenate of slices gives back the source mesh or its slice; the dims
+// come in the given order. Run on rank 0 alone first: were it collective,
+// the other ranks would not join and the watchdog would fire.
+BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
+  require_world(4);
+  const int r = spmd::rank();
+  const int a = r / 2, c = r % 2;
+  const auto m = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  using fsdp::DeviceMesh;
+  if (r == 0) {
+    BOOST_TEST((DeviceMesh::concatenate({m["pp"], m["dp"]}) == m[{"pp", "dp"}]));
+    BOOST_TEST((DeviceMesh::concatenate({m["dp"], m["pp"]}).shape() ==
+                std::vector<int64_t>{2, 2}));
+  }
+  fsdp::reset_collective_counters();
+  const auto pp_dp = DeviceMesh::concatenate({m["pp"], m["dp"]});
+  BOOST_TEST(fsdp::collective_counters().sequence.empty());
+  BOOST_TEST((pp_dp == m[{"pp", "dp"}]));
+  BOOST_TEST(pp_dp.world_ranks() == (std::vector<int>{0, 1, 2, 3}), boost::test_tools::per_element());
+  BOOST_TEST(pp_dp.get_coordinate() == (std::vector<int64_t>{a, c}),
+             boost::test_tools::per_element());
+  BOOST_TEST(pp_dp.get_group("pp").get() == m.get_group("pp").get());
+  BOOST_TEST(pp_dp.get_group("dp").get() == m.get_group("dp").get());
+  expect_group_members(pp_dp.get_group("pp"), {c, c + 2});
+  expect_group_members(pp_dp.get_group("dp"), {2 * a, 2 * a + 1});
+
+  BOOST_TEST((DeviceMesh::concatenate({m["pp"], m["tp"], m["dp"]}) == m));
+  BOOST_TEST((DeviceMesh::concatenate({m[{"pp", "tp"}], m["dp"]}) == m));
+  BOOST_TEST((DeviceMesh::concatenate({m}) == m));
+  BOOST_TEST((DeviceMesh::concatenate({m["tp"]}) == m["tp"]));
+  // A slice of a slice remembers the root, not the intermediate slice.
+  BOOST_TEST((DeviceMesh::concatenate({m["pp"], m[{"tp", "dp"}]["dp"]}) == m[{"pp", "dp"}]));
+  // A slice of the result is again a slice of m.
+  BOOST_TEST((DeviceMesh::concatenate({pp_dp["pp"], m["tp"]}) == m[{"pp", "tp"}]));
+
+  // The given order: (dp, pp) is the transposed view, row-major over its own
+  // dims: (dp, pp) = (0,0) -> 0, (0,1) -> 2, (1,0) -> 1, (1,1) -> 3.
+  const auto dp_pp = DeviceMesh::concatenate({m["dp"], m["pp"]});
+  BOOST_TEST(dp_pp.dim_names() == (std::vector<std::string>{"dp", "pp"}),
+             boost::test_tools::per_element());
+  BOOST_TEST(dp_pp.world_ranks() == (std::vector<int>{0, 2, 1, 3}), boost::test_tools::per_element());
+  BOOST_TEST(dp_pp.get_coordinate() == (std::vector<int64_t>{c, a}),
+             boost::test_tools::per_element());
+  BOOST_TEST(dp_pp.get_rank() == 2 * c + a);
+  BOOST_TEST(dp_pp.get_group("dp").get() == m.get_group("dp").get());
+  BOOST_TEST((dp_pp != pp_dp));
+
+  // Roots are compared by value: an equal mesh built again counts as the same.
+  const auto again = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  BOOST_TEST((again == m));
+  BOOST_TEST((DeviceMesh::concatenate({m["pp"], again["dp"]}) == m[{"pp", "dp"}]));
+  BOOST_TEST((fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"a", "b", "c"}) != m));
+  BOOST_TEST((m["pp"] != m["dp"]));
+}
+
+BOOST_AUTO_TEST_CASE(mesh_view_argument_errors) {
+  require_world(4);
+  const auto m = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"rep", "shard"});
+  using fsdp::DeviceMesh;
+  // unflatten: every check runs before any collective, so all ranks throw.
+  check_mesh_error([&] { m.unflatten(2, {2}, {"x"}); }, "dim");
+  check_mesh_error([&] { m.unflatten(-1, {2}, {"x"}); }, "dim");
+  check_mesh_error([&] { m.unflatten("nope", {2}, {"x"}); }, "dim");
+  check_mesh_error([&] { m.unflatten(0, {}, {}); }, "sizes");
+  check_mesh_error([&] { m.unflatten(0, {2, 2}, {"x", "y"}); }, "sizes");   // product 4 != 2
+  check_mesh_error([&] { m.unflatten(0, {1}, {"x"}); }, "sizes");           // product 1 != 2
+  check_mesh_error([&] { m.unflatten(0, {2, 0}, {"x", "y"}); }, "sizes");
+  check_mesh_error([&] { m.unflatten(0, {-1, -2}, {"x", "y"}); }, "sizes");  // product 2, < 1
+  check_mesh_error([&] { m.unflatten(0, {2, 1}, {"x"}); }, "names");
+  check_mesh_error([&] { m.unflatten(0, {2, 1}, {"x", "y", "z"}); }, "names");
+  check_mesh_error([&] { m.unflatten(0, {2, 1}, {"x", ""}); }, "names");
+  check_mesh_error([&] { m.unflatten(0, {2, 1}, {"x", "x"}); }, "names");
+  check_mesh_error([&] { m.unflatten(0, {2, 1}, {"x", "shard"}); }, "names");  // kept dim's name
+  // concatenate.
+  check_mesh_error([] { DeviceMesh::concatenate({}); }, "meshes");
+  check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m["rep"]}); }, "meshes");
+  check_mesh_error([&] { DeviceMesh::concatenate({m, m["shard"]}); }, "meshes");
+  check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m.flatten()}); }, "meshes");
+  check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m.unflatten(1, {2, 1}, {"s", "t"})["s"]}); },
+                   "meshes");
+  const auto other = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"x", "y"});
+  check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], other["y"]}); }, "meshes");
+  // A failed call leaves the world usable: the next collective lines up.
+  expect_group_members(m.get_group("shard"), {2 * (spmd::rank() / 2), 2 * (spmd::rank() / 2) + 1});
 }

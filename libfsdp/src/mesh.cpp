@@ -1,4 +1,5 @@
-// DeviceMesh: row-major rank layout, per-dimension groups, slicing, flatten.
+// DeviceMesh: row-major rank layout, per-dimension groups, slicing, flatten,
+// unflatten and concatenate.
 #include "fsdp/mesh.h"
 
 #include "fsdp/errors.h"
@@ -18,6 +19,11 @@ struct MeshLayout {
   std::vector<int> ranks;            // world ranks, row-major over `shape`
   std::vector<int64_t> coordinate;   // this rank's coordinate
   std::vector<ProcessGroupPtr> groups;  // one per dim
+  // The mesh this one was sliced from (null: this mesh is a root), and for
+  // each dim its index in that root. Slices of slices point at the root
+  // itself, so concatenate() only ever compares roots.
+  std::shared_ptr<const MeshLayout> root;
+  std::vector<int> root_dims;
 };
 
 namespace {
@@ -47,6 +53,47 @@ std::vector<int> line_through(const MeshLayout& m, const std::vector<int64_t>& c
     members.push_back(m.ranks[static_cast<size_t>(linear)]);
   }
   return members;
+}
+
+bool same_mesh(const MeshLayout& a, const MeshLayout& b) {
+  return a.device_type == b.device_type && a.shape == b.shape && a.names == b.names &&
+         a.ranks == b.ranks;
+}
+
+// The sub-mesh of `m` over `dims` (distinct indices of m, in any order) that
+// contains this rank. Never communicates: it reuses m's groups.
+std::shared_ptr<MeshLayout> slice_layout(const std::shared_ptr<const MeshLayout>& m,
+                                         const std::vector<int>& dims) {
+  auto sub = std::make_shared<MeshLayout>();
+  sub->device_type = m->device_type;
+  for (int d : dims) {
+    sub->shape.push_back(m->shape[static_cast<size_t>(d)]);
+    sub->names.push_back(m->names[static_cast<size_t>(d)]);
+    sub->coordinate.push_back(m->coordinate[static_cast<size_t>(d)]);
+    sub->groups.push_back(m->groups[static_cast<size_t>(d)]);
+  }
+  // Enumerate the sub-mesh row-major over its own dim order: vary only the
+  // kept dims, the last of `dims` fastest.
+  const int64_t n = product(sub->shape);
+  std::vector<int64_t> c = m->coordinate;
+  for (int64_t linear = 0; linear < n; ++linear) {
+    int64_t rest = linear;
+    for (size_t k = dims.size(); k-- > 0;) {
+      c[static_cast<size_t>(dims[k])] = rest % sub->shape[k];
+      rest /= sub->shape[k];
+    }
+    int64_t parent_linear = 0;
+    for (size_t d = 0; d < m->shape.size(); ++d) parent_linear = parent_linear * m->shape[d] + c[d];
+    sub->ranks.push_back(m->ranks[static_cast<size_t>(parent_linear)]);
+  }
+  if (m->root) {
+    sub->root = m->root;
+    for (int d : dims) sub->root_dims.push_back(m->root_dims[static_cast<size_t>(d)]);
+  } else {
+    sub->root = m;
+    sub->root_dims = dims;
+  }
+  return sub;
 }
 
 }  // namespace
@@ -128,30 +175,7 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& dim_names) con
     }
     dims.push_back(d);
   }
-  auto sub = std::make_shared<MeshLayout>();
-  sub->device_type = layout_->device_type;
-  for (int d : dims) {
-    sub->shape.push_back(layout_->shape[static_cast<size_t>(d)]);
-    sub->names.push_back(layout_->names[static_cast<size_t>(d)]);
-    sub->coordinate.push_back(layout_->coordinate[static_cast<size_t>(d)]);
-    sub->groups.push_back(layout_->groups[static_cast<size_t>(d)]);
-  }
-  // Enumerate the sub-mesh row-major: vary only the kept dims.
-  const int64_t n = product(sub->shape);
-  std::vector<int64_t> c = layout_->coordinate;
-  for (int64_t linear = 0; linear < n; ++linear) {
-    int64_t rest = linear;
-    for (size_t k = dims.size(); k-- > 0;) {
-      c[static_cast<size_t>(dims[k])] = rest % sub->shape[k];
-      rest /= sub->shape[k];
-    }
-    int64_t parent_linear = 0;
-    for (size_t d = 0; d < layout_->shape.size(); ++d) {
-      parent_linear = parent_linear * layout_->shape[d] + c[d];
-    }
-    sub->ranks.push_back(layout_->ranks[static_cast<size_t>(parent_linear)]);
-  }
-  return DeviceMesh(std::move(sub));
+  return DeviceMesh(slice_layout(layout_, dims));
 }
 
 DeviceMesh DeviceMesh::flatten(const std::string& dim_name) const {
@@ -167,6 +191,142 @@ DeviceMesh DeviceMesh::flatten(const std::string& dim_name) const {
   flat->coordinate = {get_rank()};
   flat->groups = {ndim() == 1 ? layout_->groups[0] : detail::group_for(layout_->ranks)};
   return DeviceMesh(std::move(flat));
+}
+
+DeviceMesh DeviceMesh::unflatten(int dim, const std::vector<int64_t>& sizes,
+                                 const std::vector<std::string>& names) const {
+  check_dim(*this, dim);
+  const size_t at = static_cast<size_t>(dim);
+  const int64_t old_size = layout_->shape[at];
+  if (sizes.empty()) {
+    throw MeshError("sizes", "DeviceMesh::unflatten: 'sizes' is empty; accepted: one or more "
+                             "sizes >= 1 whose product is " + std::to_string(old_size) +
+                             " (the size of dim '" + layout_->names[at] + "')");
+  }
+  if (std::any_of(sizes.begin(), sizes.end(), [](int64_t s) { return s < 1; }) ||
+      product(sizes) != old_size) {
+    throw MeshError("sizes", "DeviceMesh::unflatten: 'sizes' = (" + join(sizes) +
+                                 ") for dim '" + layout_->names[at] + "' of " + to_string() +
+                                 "; accepted: sizes >= 1 whose product is " +
+                                 std::to_string(old_size));
+  }
+  if (names.size() != sizes.size()) {
+    throw MeshError("names", "DeviceMesh::unflatten: 'names' has " +
+                                 std::to_string(names.size()) + " names for " +
+                                 std::to_string(sizes.size()) +
+                                 " sizes; accepted: one name per size");
+  }
+  std::vector<std::string> new_names;
+  for (size_t d = 0; d < layout_->names.size(); ++d) {
+    if (d == at) {
+      new_names.insert(new_names.end(), names.begin(), names.end());
+    } else {
+      new_names.push_back(layout_->names[d]);
+    }
+  }
+  std::set<std::string> seen;
+  for (const auto& n : new_names) {
+    if (n.empty()) throw MeshError("names", "DeviceMesh::unflatten: 'names' has an empty name");
+    if (!seen.insert(n).second) {
+      throw MeshError("names", "DeviceMesh::unflatten: 'names' gives '" + n +
+                                   "', which the result of unflattening " + to_string() +
+                                   " would have twice; accepted: names unique among the "
+                                   "result's dims");
+    }
+  }
+
+  auto out = std::make_shared<MeshLayout>();
+  out->device_type = layout_->device_type;
+  out->names = std::move(new_names);
+  // Row-major order is unchanged by splitting one dim, so the rank list and
+  // every other dim's groups stay as they are.
+  out->ranks = layout_->ranks;
+  for (size_t d = 0; d < layout_->shape.size(); ++d) {
+    if (d == at) {
+      out->shape.insert(out->shape.end(), sizes.begin(), sizes.end());
+      std::vector<int64_t> sub(sizes.size());
+      int64_t rest = layout_->coordinate[d];
+      for (size_t k = sizes.size(); k-- > 0;) {
+        sub[k] = rest % sizes[k];
+        rest /= sizes[k];
+      }
+      out->coordinate.insert(out->coordinate.end(), sub.begin(), sub.end());
+    } else {
+      out->shape.push_back(layout_->shape[d]);
+      out->coordinate.push_back(layout_->coordinate[d]);
+    }
+  }
+  for (size_t d = 0; d < layout_->shape.size(); ++d) {
+    if (d != at) {
+      out->groups.push_back(layout_->groups[d]);
+    } else if (sizes.size() == 1) {
+      // A rename: the one new dim is the old dim.
+      out->groups.push_back(layout_->groups[d]);
+    } else {
+      // Every rank takes this branch the same number of times, in the same
+      // order, so the collective group_for calls line up over the world.
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        out->groups.push_back(
+            detail::group_for(line_through(*out, out->coordinate, static_cast<int>(d + k))));
+      }
+    }
+  }
+  return DeviceMesh(std::move(out));
+}
+
+DeviceMesh DeviceMesh::unflatten(const std::string& dim, const std::vector<int64_t>& sizes,
+                                 const std::vector<std::string>& names) const {
+  const auto& n = layout_->names;
+  auto it = std::find(n.begin(), n.end(), dim);
+  if (it == n.end()) {
+    throw MeshError("dim", "DeviceMesh::unflatten: 'dim' = '" + dim + "' is not a dim of " +
+                               to_string());
+  }
+  return unflatten(static_cast<int>(it - n.begin()), sizes, names);
+}
+
+DeviceMesh DeviceMesh::concatenate(const std::vector<DeviceMesh>& meshes) {
+  if (meshes.empty()) {
+    throw MeshError("meshes", "DeviceMesh::concatenate: 'meshes' is empty; accepted: one or "
+                              "more slices of one mesh");
+  }
+  auto root_of = [](const DeviceMesh& m) {
+    return m.layout_->root ? m.layout_->root : m.layout_;
+  };
+  auto dims_in_root = [](const DeviceMesh& m) {
+    if (m.layout_->root) return m.layout_->root_dims;
+    std::vector<int> all(m.layout_->shape.size());
+    for (size_t d = 0; d < all.size(); ++d) all[d] = static_cast<int>(d);
+    return all;
+  };
+  const std::shared_ptr<const MeshLayout> root = root_of(meshes[0]);
+  const DeviceMesh root_mesh(root);
+  std::vector<int> dims;
+  for (size_t i = 0; i < meshes.size(); ++i) {
+    const std::shared_ptr<const MeshLayout> r = root_of(meshes[i]);
+    if (r != root && !same_mesh(*r, *root)) {
+      throw MeshError("meshes", "DeviceMesh::concatenate: 'meshes'[" + std::to_string(i) +
+                                    "] " + meshes[i].to_string() + " was cut from " +
+                                    DeviceMesh(r).to_string() + ", but 'meshes'[0] from " +
+                                    root_mesh.to_string() +
+                                    "; accepted: slices of one mesh (flatten() and "
+                                    "unflatten() results are meshes of their own)");
+    }
+    for (int d : dims_in_root(meshes[i])) {
+      if (std::find(dims.begin(), dims.end(), d) != dims.end()) {
+        throw MeshError("meshes", "DeviceMesh::concatenate: 'meshes' holds dim '" +
+                                      root->names[static_cast<size_t>(d)] +
+                                      "' twice; accepted: each dim of " +
+                                      root_mesh.to_string() + " at most once");
+      }
+      dims.push_back(d);
+    }
+  }
+  return DeviceMesh(slice_layout(root, dims));
+}
+
+bool DeviceMesh::operator==(const DeviceMesh& other) const {
+  return layout_ == other.layout_ || same_mesh(*layout_, *other.layout_);
 }
 
 std::string DeviceMesh::to_string() const {

@@ -7,6 +7,11 @@
 // collective over MPI_COMM_WORLD (every rank calls them in the same order);
 // communicators are created once, cached by member list, and freed when the
 // Runtime ends. Slicing (operator[]) never communicates.
+//
+// Views: unflatten() and flatten() build new meshes over the same ranks (as
+// torchtitan builds its dense and sparse meshes from one world mesh); each is
+// a root of its own. A slice remembers the root it was cut from, so that
+// slices of one root can be put back together with concatenate().
 #pragma once
 
 #include "fsdp/comm.h"
@@ -59,7 +64,41 @@ class DeviceMesh {
 
   // A 1-D mesh over the same ranks; its dim name defaults to the dim names
   // joined with "_". Collective over the world (creates a communicator once).
+  // The result is a new root (concatenate() does not mix it with slices of
+  // this mesh).
   DeviceMesh flatten(const std::string& dim_name = "") const;
+
+  // A mesh over the same ranks in which `dim` is replaced by len(sizes) dims
+  // named `names`, laid out row-major: init_device_mesh({8}).unflatten(0,
+  // {2, 2, 2}, n) has the ranks, coordinates and groups of
+  // init_device_mesh({2, 2, 2}, n). The other dims keep their groups; the new
+  // dims' groups are created (or found in the cache) with one collective
+  // each, so this is collective over MPI_COMM_WORLD like init_device_mesh:
+  // every world rank calls it, in the same order, on its own copy (or its
+  // own slice) of the same mesh. The result is a new root.
+  // Throws MeshError naming 'dim' (out of range / unknown name), 'sizes'
+  // (empty, an entry < 1, or product != size(dim)) or 'names' (count !=
+  // sizes.size(), an empty name, or a name not unique in the result).
+  DeviceMesh unflatten(int dim, const std::vector<int64_t>& sizes,
+                       const std::vector<std::string>& names) const;
+  DeviceMesh unflatten(const std::string& dim, const std::vector<int64_t>& sizes,
+                       const std::vector<std::string>& names) const;
+
+  // The root that every mesh in `meshes` was sliced from (operator[]), cut
+  // down to the union of their dims, in the given order: the dims of
+  // meshes[0] in its order, then those of meshes[1], ... (so
+  // concatenate({m["dp"], m["tp"]}) == m[{"dp", "tp"}] for a (dp, tp) mesh,
+  // and the reverse order gives the transposed view). A root counts as a
+  // slice of itself; roots are compared with operator==. Never communicates:
+  // every group already exists. Throws MeshError naming 'meshes' when it is
+  // empty, when the meshes come from different roots, or when a dim occurs
+  // twice.
+  static DeviceMesh concatenate(const std::vector<DeviceMesh>& meshes);
+
+  // Same device type, shape, dim names and world ranks (hence the same
+  // groups). Where a mesh was cut from does not matter.
+  bool operator==(const DeviceMesh& other) const;
+  bool operator!=(const DeviceMesh& other) const { return !(*this == other); }
 
   // Index of a dim name; throws MeshError naming `dim_name` if unknown.
   int dim_index(const std::string& dim_name) const;
