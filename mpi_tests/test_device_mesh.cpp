@@ -157,7 +157,8 @@ BOOST_AUTO_TEST_CASE(mesh_3d_2x1x2) {
 
   auto pp_dp = mesh[{"pp", "dp"}];
   BOOST_TEST(pp_dp.shape() == (std::vector<int64_t>{2, 2}), boost::test_tools::per_element());
-  BOOST_TEST(pp_dp.world_ranks() == (std::vector<int>{0, 1, 2, 3}), boost::test_tools::per_element());
+  BOOST_TEST(pp_dp.world_ranks() == (std::vector<int>{0, 1, 2, 3}),
+             boost::test_tools::per_element());
   BOOST_TEST(pp_dp.get_coordinate() == (std::vector<int64_t>{a, c}), boost::test_tools::per_element());
 
   auto tp_dp = mesh[{"tp", "dp"}];
@@ -315,7 +316,8 @@ BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
   const auto pp_dp = DeviceMesh::concatenate({m["pp"], m["dp"]});
   BOOST_TEST(fsdp::collective_counters().sequence.empty());
   BOOST_TEST((pp_dp == m[{"pp", "dp"}]));
-  BOOST_TEST(pp_dp.world_ranks() == (std::vector<int>{0, 1, 2, 3}), boost::test_tools::per_element());
+  BOOST_TEST(pp_dp.world_ranks() == (std::vector<int>{0, 1, 2, 3}),
+             boost::test_tools::per_element());
   BOOST_TEST(pp_dp.get_coordinate() == (std::vector<int64_t>{a, c}),
              boost::test_tools::per_element());
   BOOST_TEST(pp_dp.get_group("pp").get() == m.get_group("pp").get());
@@ -337,7 +339,8 @@ BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
   const auto dp_pp = DeviceMesh::concatenate({m["dp"], m["pp"]});
   BOOST_TEST(dp_pp.dim_names() == (std::vector<std::string>{"dp", "pp"}),
              boost::test_tools::per_element());
-  BOOST_TEST(dp_pp.world_ranks() == (std::vector<int>{0, 2, 1, 3}), boost::test_tools::per_element());
+  BOOST_TEST(dp_pp.world_ranks() == (std::vector<int>{0, 2, 1, 3}),
+             boost::test_tools::per_element());
   BOOST_TEST(dp_pp.get_coordinate() == (std::vector<int64_t>{c, a}),
              boost::test_tools::per_element());
   BOOST_TEST(dp_pp.get_rank() == 2 * c + a);
@@ -375,8 +378,8 @@ BOOST_AUTO_TEST_CASE(mesh_view_argument_errors) {
   check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m["rep"]}); }, "meshes");
   check_mesh_error([&] { DeviceMesh::concatenate({m, m["shard"]}); }, "meshes");
   check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m.flatten()}); }, "meshes");
-  check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m.unflatten(1, {2, 1}, {"s", "t"})["s"]}); },
-                   "meshes");
+  const auto view = m.unflatten(1, {2, 1}, {"s", "t"});
+  check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], view["s"]}); }, "meshes");
   const auto other = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"x", "y"});
   check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], other["y"]}); }, "meshes");
   // A failed call leaves the world usable: the next collective lines up.

@@ -3,10 +3,11 @@
 //
 // Ranks are laid out row-major: in a (2, 2) mesh named ("replicate", "shard"),
 // world rank r has coordinate (r / 2, r % 2); the "shard" group of rank 0 is
-// {0, 1} and its "replicate" group is {0, 2}. Construction and flatten() are
-// collective over MPI_COMM_WORLD (every rank calls them in the same order);
-// communicators are created once, cached by member list, and freed when the
-// Runtime ends. Slicing (operator[]) never communicates.
+// {0, 1} and its "replicate" group is {0, 2}. Construction, flatten() and
+// unflatten() are collective over MPI_COMM_WORLD (every rank calls them in
+// the same order); communicators are created once, cached by member list,
+// and freed when the Runtime ends. Slicing (operator[]) and concatenate()
+// never communicate.
 //
 // Views: unflatten() and flatten() build new meshes over the same ranks (as
 // torchtitan builds its dense and sparse meshes from one world mesh); each is
