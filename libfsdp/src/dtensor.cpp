@@ -18,10 +18,19 @@ Placement Placement::Partial(ReduceOp op) {
   return Placement(Kind::Partial, 0, op);
 }
 
+Placement Placement::StridedShard(int64_t dim, int64_t split_factor) {
+  if (split_factor < 1) {
+    throw ArgumentError("split_factor", "Placement::StridedShard: 'split_factor' = " +
+                                            std::to_string(split_factor) + "; accepted: >= 1");
+  }
+  return Placement(Kind::StridedShard, dim, ReduceOp::SUM, split_factor);
+}
+
 bool Placement::operator==(const Placement& o) const {
   if (kind_ != o.kind_) return false;
   switch (kind_) {
     case Kind::Shard: return dim_ == o.dim_;
+    case Kind::StridedShard: return dim_ == o.dim_ && split_factor_ == o.split_factor_;
     case Kind::Partial: return op_ == o.op_;
     case Kind::Replicate: return true;
   }
@@ -31,6 +40,9 @@ bool Placement::operator==(const Placement& o) const {
 std::string Placement::to_string() const {
   switch (kind_) {
     case Kind::Shard: return "Shard(" + std::to_string(dim_) + ")";
+    case Kind::StridedShard:
+      return "StridedShard(" + std::to_string(dim_) + ", sf=" + std::to_string(split_factor_) +
+             ")";
     case Kind::Replicate: return "Replicate()";
     case Kind::Partial: return "Partial(" + ::fsdp::to_string(op_) + ")";
   }
@@ -86,9 +98,34 @@ std::string shape_str(c10::IntArrayRef sizes) {
   return os.str();
 }
 
-// Checks the count and the Shard dims against a tensor of `ndim` dims and
-// maps negative Shard dims to their positive form, so that later comparisons
-// (Shard(-1) vs Shard(1)) see one spelling.
+// Tensor dim that `p` splits (Shard or StridedShard), or -1.
+int64_t split_dim(const Placement& p) {
+  return p.is_shard() || p.is_strided_shard() ? p.dim() : -1;
+}
+
+// The mesh dims that split tensor dim d, in the order they are applied
+// (outermost first). Shard(d) dims nest left to right; a StridedShard(d)
+// is applied after every dim to its right that splits d. Built right to
+// left: a Shard goes in front of the dims to its right, a StridedShard after
+// them. Removing a dim from `placements` removes it from the order and keeps
+// the others' order, which redistribute relies on while it undoes dims.
+std::vector<int> nesting_order(const std::vector<Placement>& placements, int64_t d) {
+  std::vector<int> order;
+  for (size_t i = placements.size(); i-- > 0;) {
+    if (split_dim(placements[i]) != d) continue;
+    if (placements[i].is_strided_shard()) {
+      order.push_back(static_cast<int>(i));
+    } else {
+      order.insert(order.begin(), static_cast<int>(i));
+    }
+  }
+  return order;
+}
+
+// Checks the count, the Shard/StridedShard dims against a tensor of `ndim`
+// dims and the split factors against the mesh, and maps negative dims to
+// their positive form, so that later comparisons (Shard(-1) vs Shard(1)) see
+// one spelling.
 std::vector<Placement> normalize_placements(const std::string& fn,
                                             const std::vector<Placement>& placements,
                                             const DeviceMesh& mesh, int64_t ndim) {
@@ -101,7 +138,7 @@ std::vector<Placement> normalize_placements(const std::string& fn,
   std::vector<Placement> out;
   out.reserve(placements.size());
   for (const Placement& p : placements) {
-    if (!p.is_shard()) {
+    if (!p.is_shard() && !p.is_strided_shard()) {
       out.push_back(p);
       continue;
     }
@@ -109,38 +146,78 @@ std::vector<Placement> normalize_placements(const std::string& fn,
       throw ArgumentError("placements", fn + ": 'placements' " + placements_str(placements) +
                                             " shards dim " + std::to_string(p.dim()) +
                                             " of a tensor with " + std::to_string(ndim) +
-                                            " dims; accepted: Shard(d) with " +
-                                            std::to_string(-ndim) + " <= d < " +
+                                            " dims; accepted: Shard(d) or StridedShard(d, sf) "
+                                            "with " + std::to_string(-ndim) + " <= d < " +
                                             std::to_string(ndim));
     }
-    out.push_back(Placement::Shard(p.dim() < 0 ? p.dim() + ndim : p.dim()));
+    const int64_t d = p.dim() < 0 ? p.dim() + ndim : p.dim();
+    out.push_back(p.is_shard() ? Placement::Shard(d)
+                               : Placement::StridedShard(d, p.split_factor()));
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!out[i].is_strided_shard()) continue;
+    int64_t inner = 1;
+    for (size_t j = i + 1; j < out.size(); ++j) {
+      if (split_dim(out[j]) == out[i].dim()) inner *= mesh.size(static_cast<int>(j));
+    }
+    if (out[i].split_factor() != inner) {
+      throw ArgumentError("placements", fn + ": 'placements' " + placements_str(placements) +
+                                            " has " + out[i].to_string() + " on mesh dim " +
+                                            std::to_string(i) + " of " + mesh.to_string() +
+                                            ", but the mesh dims to its right that shard "
+                                            "tensor dim " + std::to_string(out[i].dim()) +
+                                            " have " + std::to_string(inner) +
+                                            " ranks in all; accepted: split factor " +
+                                            std::to_string(inner));
+    }
   }
   return out;
 }
 
-// This rank's piece of a global tensor of `shape`.
+// This rank's piece of a global tensor of `shape`: along each tensor dim,
+// the ceil-div split of every splitting mesh dim in nesting order.
 std::vector<int64_t> local_shape(std::vector<int64_t> shape, const DeviceMesh& mesh,
                                  const std::vector<Placement>& placements) {
-  for (int i = 0; i < mesh.ndim(); ++i) {
-    const Placement& p = placements[static_cast<size_t>(i)];
-    if (!p.is_shard()) continue;
-    const ProcessGroupPtr g = mesh.get_group(i);
-    int64_t& n = shape[static_cast<size_t>(p.dim())];
-    n = shard_extent(n, g->size(), g->rank()).length;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    for (int j : nesting_order(placements, static_cast<int64_t>(d))) {
+      const ProcessGroupPtr g = mesh.get_group(j);
+      shape[d] = shard_extent(shape[d], g->size(), g->rank()).length;
+    }
   }
   return shape;
 }
 
 // Length along tensor dim `d` of the piece that mesh dim `mesh_dim` splits:
-// the global length cut down by the mesh dims to its left.
+// the global length cut down by the mesh dims applied before it.
 int64_t piece_length(int64_t n, const DeviceMesh& mesh, const std::vector<Placement>& placements,
                      int mesh_dim, int64_t d) {
-  for (int j = 0; j < mesh_dim; ++j) {
-    if (!placements[static_cast<size_t>(j)].is_shard(d)) continue;
+  for (int j : nesting_order(placements, d)) {
+    if (j == mesh_dim) break;
     const ProcessGroupPtr g = mesh.get_group(j);
     n = shard_extent(n, g->size(), g->rank()).length;
   }
   return n;
+}
+
+// Mesh dims innermost first: each is, when its turn comes, the last applied
+// of the remaining dims that split its tensor dim. Undoing splits in this
+// order always gathers a piece whose inner splits are already gone. For
+// plain Shard placements it is simply right to left.
+std::vector<int> innermost_first(std::vector<Placement> placements) {
+  std::vector<int> order;
+  std::vector<bool> done(placements.size());
+  while (order.size() < placements.size()) {
+    for (size_t i = placements.size(); i-- > 0;) {
+      if (done[i]) continue;
+      const int64_t d = split_dim(placements[i]);
+      if (d >= 0 && nesting_order(placements, d).back() != static_cast<int>(i)) continue;
+      order.push_back(static_cast<int>(i));
+      done[i] = true;
+      placements[i] = Placement::Replicate();
+      break;
+    }
+  }
+  return order;
 }
 
 // Collectives split along dim 0 of contiguous buffers, so a Shard(d) with
@@ -205,10 +282,12 @@ at::Tensor take_shard(const at::Tensor& t, int64_t d, const ProcessGroup& g) {
 }
 
 // Without a global shape: every rank's record (first offending world rank or
-// -1, then its local sizes) is all-gathered over each mesh dim, right to
-// left, and replaced by the combined piece's record. After the gather over
-// mesh dim i a record depends only on mesh coordinates 0..i-1, so after dim 0
-// every rank holds the same record: one global shape and one verdict.
+// -1, then its local sizes) is all-gathered over each mesh dim, innermost
+// first (right to left without StridedShard), and replaced by the combined
+// piece's record. After the gather over mesh dim i a record no longer
+// depends on coordinate i (every member combines the same records), so after
+// the last dim every rank holds the same record: one global shape and one
+// verdict.
 // Replicate and Partial dims are gathered too, both to spread the verdict and
 // to check that their members hold equal shapes.
 std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMesh& mesh,
@@ -217,7 +296,7 @@ std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMes
   std::vector<int64_t> record(static_cast<size_t>(nd + 1));
   record[0] = -1;
   std::copy(local.sizes().begin(), local.sizes().end(), record.begin() + 1);
-  for (int i = mesh.ndim() - 1; i >= 0; --i) {
+  for (int i : innermost_first(placements)) {
     const ProcessGroupPtr g = mesh.get_group(i);
     const int64_t k = g->size();
     if (k == 1) continue;
@@ -232,7 +311,7 @@ std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMes
       if (bad < 0 || world_rank < bad) bad = world_rank;
     };
     const Placement& p = placements[static_cast<size_t>(i)];
-    const int64_t d = p.is_shard() ? p.dim() : -1;
+    const int64_t d = split_dim(p);
     int64_t total = 0;
     for (int64_t r = 0; r < k; ++r) {
       if (rec[r][0] >= 0) blame(rec[r][0]);
@@ -255,8 +334,9 @@ std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMes
                                   placements_str(placements) + " on " + mesh.to_string() +
                                   " (first misfit: world rank " + std::to_string(record[0]) +
                                   "; this rank's 'local' has shape " + shape_str(local.sizes()) +
-                                  "); a Shard(d) piece must have shard_extent(n, parts, "
-                                  "index).length rows along d and equal sizes elsewhere");
+                                  "); a Shard(d) or StridedShard(d) piece must have "
+                                  "shard_extent(n, parts, index).length rows along d of the "
+                                  "piece it splits, and equal sizes elsewhere");
   }
   return std::vector<int64_t>(record.begin() + 1, record.end());
 }
@@ -310,12 +390,16 @@ at::Tensor DTensor::full_tensor() const {
       .to_local();
 }
 
-// Mesh dims that change go through Replicate: right to left they are
-// gathered or reduced, then left to right they are split again. A mesh dim
-// may only be gathered or split along tensor dim d while no mesh dim to its
-// right splits d (that one splits the piece this one would need whole), so
-// such dims are taken through Replicate too even if they do not change.
-// Partial -> Shard skips the detour and reduce-scatters in the second pass.
+// Mesh dims that change go through Replicate: innermost first they are
+// gathered or reduced, then outermost first they are split again. Along a
+// tensor dim d only the splits that both layouts apply first, in the same
+// order and unchanged, can stay (a common prefix of the nesting orders):
+// every later split of d is inside a piece that changes, so those dims are
+// taken through Replicate too even if their placement does not change. With
+// plain Shard placements that is "every dim to the right of a changed dim
+// that splits the same d", and the passes run right to left / left to
+// right. Partial -> Shard/StridedShard skips the detour and reduce-scatters
+// in the second pass, once the piece it splits is in place.
 DTensor DTensor::redistribute(const std::vector<Placement>& placements) const {
   if (!defined()) throw StateError("DTensor::redistribute: the DTensor is undefined");
   const std::vector<Placement> target = normalize_placements(
@@ -325,40 +409,77 @@ DTensor DTensor::redistribute(const std::vector<Placement>& placements) const {
 
   std::vector<bool> redo(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) redo[i] = cur[i] != target[i];
-  for (int i = 0; i < n; ++i) {
-    if (!redo[i]) continue;
-    for (const Placement& p : {cur[i], target[i]}) {
-      if (!p.is_shard()) continue;
-      for (int j = i + 1; j < n; ++j) {
-        if (cur[j].is_shard(p.dim())) redo[j] = true;
-      }
+  // Only the unchanged dims past the common prefix need marking, and they
+  // split d in both layouts, so the tail of `from` holds them all. One pass
+  // suffices: a dim marked here splits only d (a dim that splits d in one
+  // layout and something else in the other has changed and is marked
+  // already), so it cannot shorten another tensor dim's prefix.
+  for (int64_t d = 0; d < static_cast<int64_t>(shape_.size()); ++d) {
+    const std::vector<int> from = nesting_order(cur, d);
+    const std::vector<int> to = nesting_order(target, d);
+    size_t keep = 0;
+    while (keep < from.size() && keep < to.size() && from[keep] == to[keep] &&
+           !redo[static_cast<size_t>(from[keep])]) {
+      ++keep;
     }
+    for (size_t k = keep; k < from.size(); ++k) redo[static_cast<size_t>(from[k])] = true;
   }
 
   at::Tensor t = local_;
-  for (int i = n - 1; i >= 0; --i) {
-    if (!redo[i]) continue;
-    const ProcessGroupPtr g = mesh_->get_group(i);
-    if (cur[i].is_shard()) {
-      const int64_t d = cur[i].dim();
-      t = gather_shards(t, d, piece_length(shape_[static_cast<size_t>(d)], *mesh_, cur, i, d), *g);
-      cur[i] = Placement::Replicate();
-    } else if (cur[i].is_partial() && !target[i].is_shard()) {
-      t = reduce_partial(t, cur[i].reduce_op(), *g);
-      cur[i] = Placement::Replicate();
+  // First pass. The redone dims that split d are the tail of d's nesting
+  // order, so the innermost remaining one is always redone: the rightmost
+  // eligible dim exists until every redone split is gathered.
+  for (;;) {
+    int pick = -1;
+    for (int i = n - 1; i >= 0 && pick < 0; --i) {
+      if (!redo[i]) continue;
+      const int64_t d = split_dim(cur[i]);
+      if (d >= 0 ? nesting_order(cur, d).back() == i
+                 : cur[i].is_partial() && split_dim(target[i]) < 0) {
+        pick = i;
+      }
     }
+    if (pick < 0) break;
+    const ProcessGroupPtr g = mesh_->get_group(pick);
+    const int64_t d = split_dim(cur[pick]);
+    if (d >= 0) {
+      t = gather_shards(t, d, piece_length(shape_[static_cast<size_t>(d)], *mesh_, cur, pick, d),
+                        *g);
+    } else {
+      t = reduce_partial(t, cur[pick].reduce_op(), *g);
+    }
+    cur[pick] = Placement::Replicate();
   }
-  for (int i = 0; i < n; ++i) {
-    if (!redo[i]) continue;
-    const ProcessGroupPtr g = mesh_->get_group(i);
-    const Placement& want = target[i];
-    if (want.is_shard()) {
-      t = cur[i].is_partial() ? reduce_scatter_shards(t, want.dim(), cur[i].reduce_op(), *g)
-                              : take_shard(t, want.dim(), *g);
+  // Second pass: a split is applied once every dim before it in the target
+  // nesting order is in place (kept or already split).
+  std::vector<bool> applied(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) applied[i] = !redo[i];
+  for (;;) {
+    int pick = -1;
+    for (int i = 0; i < n && pick < 0; ++i) {
+      if (applied[i]) continue;
+      const int64_t d = split_dim(target[i]);
+      bool ready = true;
+      if (d >= 0) {
+        for (int j : nesting_order(target, d)) {
+          if (j == i) break;
+          if (!applied[static_cast<size_t>(j)]) ready = false;
+        }
+      }
+      if (ready) pick = i;
+    }
+    if (pick < 0) break;
+    const ProcessGroupPtr g = mesh_->get_group(pick);
+    const Placement& want = target[pick];
+    const int64_t d = split_dim(want);
+    if (d >= 0) {
+      t = cur[pick].is_partial() ? reduce_scatter_shards(t, d, cur[pick].reduce_op(), *g)
+                                 : take_shard(t, d, *g);
     } else if (want.is_partial() && want.reduce_op() == ReduceOp::SUM && g->rank() != 0) {
       t = at::zeros_like(t);
     }
-    cur[i] = want;
+    cur[pick] = want;
+    applied[pick] = true;
   }
   return DTensor(t, *mesh_, target, shape_);
 }

@@ -7,11 +7,24 @@
 //                 rank r owns rows [min(r*c, n), min((r+1)*c, n)) -- trailing
 //                 ranks may own zero rows. The local tensor holds exactly the
 //                 owned rows (no padding); collectives pad to c internally.
+//   StridedShard(d, sf)
+//                 like Shard(d), but this mesh dim splits tensor dim d INSIDE
+//                 each piece that the mesh dims to its right which shard d
+//                 produce; sf must equal the product of their sizes. This is
+//                 FSDP inside a TP shard of the same dim: on (dp, tp) with
+//                 [StridedShard(0, sf=tp), Shard(0)], rank (i, j) owns rows
+//                 shard_extent(len_j, dp, i) of tp piece j =
+//                 shard_extent(n, tp, j), e.g. n=8, dp=tp=2: (0,0) rows 0-1,
+//                 (1,0) rows 2-3, (0,1) rows 4-5, (1,1) rows 6-7. With
+//                 nothing inside (sf = 1) it has Shard(d)'s layout but stays
+//                 a different placement (redistributing between the two
+//                 re-splits).
 //   Replicate     every rank holds the whole (sub-)tensor.
 //   Partial(op)   every rank holds a partial value; the global value is the
 //                 SUM (or AVG) over that mesh dim.
 // With several mesh dims, placements apply left to right: mesh dim 0 splits
-// the global tensor, mesh dim 1 splits the piece mesh dim 0 left, and so on.
+// the global tensor, mesh dim 1 splits the piece mesh dim 0 left, and so on;
+// a StridedShard(d) is applied after the dims to its right that shard d.
 //
 // Collectives run on the mesh's groups (see comm.h) and are collective over
 // those groups: every member must make the same call.
@@ -31,32 +44,45 @@ namespace fsdp {
 
 class Placement {
  public:
-  enum class Kind { Shard, Replicate, Partial };
+  enum class Kind { Shard, Replicate, Partial, StridedShard };
 
   static Placement Shard(int64_t dim = 0) { return Placement(Kind::Shard, dim, ReduceOp::SUM); }
   static Placement Replicate() { return Placement(Kind::Replicate, 0, ReduceOp::SUM); }
   // op: SUM or AVG (ArgumentError naming "op" otherwise).
   static Placement Partial(ReduceOp op = ReduceOp::SUM);
+  // split_factor: >= 1 (ArgumentError naming "split_factor" otherwise); that
+  // it matches the mesh is checked where placements meet a mesh
+  // (ArgumentError naming "placements").
+  static Placement StridedShard(int64_t dim, int64_t split_factor);
 
   Kind kind() const { return kind_; }
+  // Plain Shard only: a StridedShard is not a Shard, so code that handles
+  // Shard(d) by contiguous ceil-div chunks (fully_shard) never mistakes it
+  // for one and rejects it instead.
   bool is_shard() const { return kind_ == Kind::Shard; }
   bool is_shard(int64_t dim) const { return kind_ == Kind::Shard && dim_ == dim; }
+  bool is_strided_shard() const { return kind_ == Kind::StridedShard; }
   bool is_replicate() const { return kind_ == Kind::Replicate; }
   bool is_partial() const { return kind_ == Kind::Partial; }
-  // Tensor dim of a Shard placement.
+  // Tensor dim of a Shard or StridedShard placement.
   int64_t dim() const { return dim_; }
+  // Split factor of a StridedShard (1 for every other placement).
+  int64_t split_factor() const { return split_factor_; }
   // Reduction of a Partial placement.
   ReduceOp reduce_op() const { return op_; }
 
   bool operator==(const Placement& o) const;
   bool operator!=(const Placement& o) const { return !(*this == o); }
-  std::string to_string() const;  // "Shard(0)", "Replicate()", "Partial(sum)"
+  // "Shard(0)", "StridedShard(0, sf=2)", "Replicate()", "Partial(sum)"
+  std::string to_string() const;
 
  private:
-  Placement(Kind k, int64_t d, ReduceOp op) : kind_(k), dim_(d), op_(op) {}
+  Placement(Kind k, int64_t d, ReduceOp op, int64_t split_factor = 1)
+      : kind_(k), dim_(d), op_(op), split_factor_(split_factor) {}
   Kind kind_;
   int64_t dim_;
   ReduceOp op_;
+  int64_t split_factor_;
 };
 
 // Ceil-div layout of `n` rows over `parts` ranks: (offset, length) of `index`.
@@ -76,7 +102,9 @@ class DTensor {
   // it is computed from every rank's local size (a collective all-gather of
   // sizes over each sharded mesh dim) and checked against the ceil-div layout
   // (ShapeError naming "local" on every rank if it does not fit).
-  // placements.size() must equal mesh.ndim(); Shard dims must be in range.
+  // placements.size() must equal mesh.ndim(); Shard and StridedShard dims
+  // must be in range and each StridedShard's split factor must match the
+  // mesh (ArgumentError naming "placements" otherwise).
   static DTensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
                             const std::vector<Placement>& placements,
                             std::optional<std::vector<int64_t>> shape = std::nullopt);
@@ -84,7 +112,10 @@ class DTensor {
   const at::Tensor& to_local() const { return local_; }
   // The global tensor on every rank (all-gather / all-reduce as needed).
   at::Tensor full_tensor() const;
-  // The same global tensor with other placements on the same mesh.
+  // The same global tensor with other placements on the same mesh. Only the
+  // mesh dims that change, and the splits nested inside them on the same
+  // tensor dim, communicate: they are gathered to Replicate and split again
+  // (Partial -> Shard/StridedShard is one reduce-scatter).
   DTensor redistribute(const std::vector<Placement>& placements) const;
 
   // StateError on a default-constructed (undefined) DTensor.
@@ -105,8 +136,9 @@ class DTensor {
 };
 
 // Splits a tensor that is identical on every rank of `mesh` according to
-// `placements` (no communication for Shard/Replicate; Partial(SUM) keeps the
-// value on group rank 0 and zeros elsewhere, Partial(AVG) keeps it everywhere).
+// `placements` (no communication for Shard, StridedShard and Replicate;
+// Partial(SUM) keeps the value on group rank 0 and zeros elsewhere,
+// Partial(AVG) keeps it everywhere).
 DTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh,
                           const std::vector<Placement>& placements);
 
