@@ -38,6 +38,7 @@
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
 #include "fsdp/module_holder.h"
+#include "fsdp/options.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -53,51 +54,6 @@
 #include <vector>
 
 namespace fsdp {
-
-// Mixed precision (all fields optional). Shards keep their original dtype.
-struct MixedPrecisionPolicy {
-  // All-gather and compute dtype of the parameters (none = original dtype).
-  std::optional<c10::ScalarType> param_dtype;
-  // Gradient reduction dtype (none = param_dtype, else original dtype). The
-  // sharded gradient handed to the optimizer has this dtype.
-  std::optional<c10::ScalarType> reduce_dtype;
-  // Floating tensor outputs of the unit's forward are cast to this dtype.
-  std::optional<c10::ScalarType> output_dtype;
-  // Cast floating tensor inputs of the unit's forward to param_dtype.
-  bool cast_forward_inputs = true;
-  // Accumulate each reduced gradient into an fp32 main gradient, which is
-  // what param.grad() then holds (and FSDPModule::main_grads() returns).
-  bool apply_grad_on_fp32_main_grad = false;
-};
-
-// Keep shards and sharded gradients in CPU memory (pinned when CUDA is
-// present); they move to the compute device for the all-gather. On a
-// CPU-only build this is valid and changes nothing (the device is the CPU).
-struct CPUOffloadPolicy {
-  bool pin_memory = true;
-};
-
-// Per-parameter placement override: return Placement::Shard(d) or
-// Placement::Replicate(), or std::nullopt for the default Shard(0).
-using ShardPlacementFn =
-    std::function<std::optional<Placement>(const std::string& name, const at::Tensor& param)>;
-
-struct FullyShardOptions {
-  // 1-D mesh = FSDP, 2-D (replicate, shard) = HSDP. None: 1-D over the world.
-  std::optional<DeviceMesh> mesh;
-  // Free the unsharded parameters after forward (and re-gather for backward).
-  bool reshard_after_forward = true;
-  ShardPlacementFn shard_placement_fn;
-  MixedPrecisionPolicy mp_policy;
-  std::optional<CPUOffloadPolicy> offload_policy;
-  // Left as plain full tensors: never communicated.
-  std::vector<at::Tensor> ignored_params;
-  // Managed but not sharded: full on every rank, gradients all-reduced.
-  std::vector<at::Tensor> replicate_params;
-  // One all-gather and one reduce-scatter per unit per pass over a flat
-  // buffer, instead of one per parameter.
-  bool comm_fusion = false;
-};
 
 struct UnitState;
 
@@ -136,6 +92,11 @@ class FSDPModule {
   void set_reduce_op_type(const std::string& reduce_op);
   // Multiplies gradients in the reduction; nullopt clears. Finite and > 0.
   void set_gradient_scaling_factor(std::optional<double> factor);
+  // With "avg", gradients are divided by `factor` instead of the mesh's
+  // data-parallel size (e.g. experts sharded on a sub-mesh whose gradients
+  // must still be averaged over the whole data-parallel world); nullopt
+  // restores the mesh's size. Finite and > 0. Recursive.
+  void set_gradient_divide_factor(std::optional<double> factor);
   // false: backward may end with reductions still in flight (they are
   // finished by the next forward, backward or finish_pending_reductions()).
   void set_is_last_backward(bool is_last_backward);
@@ -192,11 +153,22 @@ class FSDPModule {
 
 // Shards `module`'s parameters (those not already managed by a unit inside
 // it, nor ignored) as one unit; a module whose parameters all belong to
-// units inside it becomes a unit without parameters (e.g. a root). Errors: a
-// module already sharded, a module with nothing to manage, a mesh with
-// ndim > 2, a Shard(d) placement out of range or uneven on d != 0, a
-// parameter both ignored and replicated -> ArgumentError (or subclass)
-// naming the argument.
+// units inside it becomes a unit without parameters (e.g. a root). The
+// parameters are split into one group per distinct FSDP mesh (see
+// ShardPlacementResult), each with its own collectives. Errors: a module
+// already sharded, a module with nothing to manage, a mesh whose FSDP dims
+// cannot be told (3+ dims without shard_dim), a Shard(d) placement out of
+// range or uneven on d != 0, a parameter both ignored and replicated, a
+// DTensor parameter on a mesh unrelated to `mesh` -> ArgumentError (or
+// subclass) naming the argument.
+//
+// Every rank must run the same units' forwards in the same order (SPMD);
+// then reductions are issued in reverse forward order on every rank,
+// whichever gradients each rank received. A parameter no rank produced a
+// gradient for keeps none; one that some ranks did is reduced with zeros
+// for the others. An exception in forward or backward that the user catches
+// leaves nothing behind: the root's next forward discards what the failed
+// pass left (in-flight collectives, partial gradients) and reshards.
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
                        FullyShardOptions options = {});
 // One unit over several modules: their parameters are gathered and reduced

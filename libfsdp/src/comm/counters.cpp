@@ -1,5 +1,5 @@
 // Collective counters and the pending-collective registry.
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include <chrono>
 #include <mutex>
@@ -59,7 +59,7 @@ std::string describe_pending_collectives() {
     if (work->finished()) continue;
     if (!first) os << "; ";
     first = false;
-    os << work->description() << ", "
+    os << work->info().describe() << ", " << work->info().bytes << " B, "
        << std::chrono::duration<double>(now - since).count() << " s in flight";
   }
   return first ? "none" : os.str();

@@ -58,21 +58,34 @@ inline void record_stream(const at::Tensor& t, c10::cuda::CUDAStream stream) {
 // Autograd may hold views of an unsharded parameter across reshard (e.g. the
 // weight.t() that addmm saves), so the buffer must keep its StorageImpl:
 // free it by resizing to 0 bytes and regrow it in place before re-gathering.
+// CUDA memory goes back to the caching allocator (memory_allocated falls; the
+// block stays reserved for the next gather), after the work queued on the
+// streams recorded for it (record_stream) is done.
 #include <ATen/native/Resize.h>
+#ifdef FSDP_WITH_NCCL
+#include <ATen/native/cuda/Resize.h>
+#endif
 
 namespace fsdp::compat {
 
-// Frees a buffer's memory, keeping its StorageImpl (CPU). Device buffers are
-// kept allocated: not every LibTorch exposes an in-place device resize.
-inline void release_storage(const at::Tensor& t) {
-  if (t.is_cpu()) at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+inline void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->nbytes() == nbytes) return;
+  if (t.is_cpu()) {
+    at::native::resize_bytes_cpu(impl, nbytes);
+#ifdef FSDP_WITH_NCCL
+  } else if (t.is_cuda()) {
+    // Same declaration in 1.13 and 2.x (ATen/native/cuda/Resize.h).
+    at::native::resize_bytes_cuda(impl, nbytes);
+#endif
+  }
 }
 
+// Frees a buffer's memory, keeping its StorageImpl.
+inline void release_storage(const at::Tensor& t) { resize_storage_bytes(t, 0); }
+
 // Regrows a buffer released by release_storage to `nbytes`, in place.
-inline void restore_storage(const at::Tensor& t, size_t nbytes) {
-  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  if (t.is_cpu() && impl->nbytes() != nbytes) at::native::resize_bytes_cpu(impl, nbytes);
-}
+inline void restore_storage(const at::Tensor& t, size_t nbytes) { resize_storage_bytes(t, nbytes); }
 
 }  // namespace fsdp::compat
 

@@ -2,8 +2,8 @@
 #include "fsdp/checkpoint.h"
 
 #include "fsdp/errors.h"
-#include "fsdp_state.h"
-#include "torch_compat.h"
+#include "runtime/torch_compat.h"
+#include "sharding/query.h"
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
@@ -101,38 +101,6 @@ std::vector<std::pair<c10::Device, at::Tensor>> capture_rng(const std::vector<at
 }
 
 const c10::TensorImpl* impl_of(const at::Tensor& t) { return t.unsafeGetTensorImpl(); }
-
-// The parameter edges of a non-reentrant checkpoint lead to each parameter's
-// AccumulateGrad node, which validates gradients against the shape and dtype
-// the parameter had when the node was created. A unit of fully_shard holds
-// the node of its parameters' compute form (full shape, param_dtype), but only
-// once it has been unsharded, and set_data to a shard of another dtype or
-// device drops it. So before taking the edges, units whose parameters would
-// not yield a compute-form node right now are unsharded (the gather the
-// segment's own forward then finds done). Returns the units unsharded here.
-std::vector<std::shared_ptr<UnitState>> unshard_for_edges(const std::vector<at::Tensor>& params) {
-  std::unordered_set<const c10::TensorImpl*> wanted;
-  for (const auto& p : params) wanted.insert(impl_of(p));
-  std::vector<std::shared_ptr<UnitState>> unsharded;
-  for (auto& unit : detail::live_units()) {
-    if (unit->group.unsharded()) continue;
-    bool needed = false;
-    for (const auto& p : unit->group.params()) {
-      if (!p.requires_grad() || wanted.count(impl_of(p.param())) == 0) continue;
-      // fully_shard computes floating parameters in mp.param_dtype, others
-      // in their own dtype (that of the shard).
-      const c10::ScalarType own = p.local().scalar_type();
-      const c10::ScalarType compute =
-          at::isFloatingType(own) && unit->mp.param_dtype ? *unit->mp.param_dtype : own;
-      auto node = torch::autograd::impl::try_get_grad_accumulator(p.param());
-      if (!node || !compat::node_accepts(*node, p.full_shape(), compute)) needed = true;
-    }
-    if (!needed) continue;
-    unit->unshard(/*async_op=*/false);
-    unsharded.push_back(unit);
-  }
-  return unsharded;
-}
 
 // What a recompute must not reach, found by walking its graph from the output:
 // nodes that existed before the recompute started (fn read a non-leaf tensor
@@ -308,8 +276,10 @@ at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor
     return run_plain(fn, inputs);
   }
 
-  std::vector<std::shared_ptr<UnitState>> unsharded_here;
-  if (!reentrant) unsharded_here = unshard_for_edges(grad_params);
+  // fully_shard units whose parameters would not present AccumulateGrad
+  // nodes of their compute form are unsharded before the edges are taken.
+  std::vector<detail::UnitRef> unsharded_here;
+  if (!reentrant) unsharded_here = detail::unshard_for_grad_edges(grad_params);
   torch::autograd::edge_list edges;
   for (const auto& x : grad_inputs) edges.push_back(torch::autograd::impl::gradient_edge(x));
   if (!reentrant) {
@@ -323,10 +293,8 @@ at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor
     at::NoGradGuard no_grad;
     out = run_plain(fn, inputs);
   }
-  for (auto& unit : unsharded_here) {
-    // A unit the segment did not run stays as its forward would leave it.
-    if (unit->group.unsharded() && unit->reshard_after_forward) unit->reshard();
-  }
+  // A unit the segment did not run stays as its forward would leave it.
+  detail::reshard_as_after_forward(unsharded_here);
 
   std::vector<SavedInput> saved;
   saved.reserve(inputs.size());

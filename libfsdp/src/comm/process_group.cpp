@@ -1,7 +1,7 @@
 // ProcessGroupImpl: argument validation, counting, and dispatch to the
 // backend that matches the tensors' device.
 #include "fsdp/errors.h"
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include <numeric>
 #include <sstream>
@@ -150,6 +150,16 @@ ProcessGroupImpl::ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, 
 }
 
 ProcessGroupImpl::~ProcessGroupImpl() { shutdown(); }
+
+MPI_Comm ProcessGroupImpl::duplicate_communicator() {
+  std::lock_guard<std::mutex> lock(backends_mu_);
+  if (closed_) {
+    throw StateError("process group " + name_ + " was shut down (the fsdp::Runtime ended)");
+  }
+  MPI_Comm comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(bootstrap_, &comm), "MPI_Comm_dup");
+  return comm;
+}
 
 void ProcessGroupImpl::shutdown() {
   std::lock_guard<std::mutex> lock(backends_mu_);

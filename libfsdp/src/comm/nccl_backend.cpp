@@ -13,8 +13,8 @@
 // NCCL has no message tags: sends and recvs between a pair match in issue
 // order, and `tag` (validated by ProcessGroupImpl) is ignored.
 #include "fsdp/errors.h"
-#include "process_group.h"
-#include "torch_compat.h"
+#include "comm/process_group.h"
+#include "runtime/torch_compat.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -98,8 +98,9 @@ struct UniqueIdMessage {
 
 class NcclWork final : public Work, public PendingWork {
  public:
-  NcclWork(c10::DeviceIndex device, std::vector<at::Tensor> tensors, std::string description)
-      : device_(device), tensors_(std::move(tensors)), description_(std::move(description)) {
+  NcclWork(c10::DeviceIndex device, std::vector<at::Tensor> tensors, WorkInfo info)
+      : device_(device), tensors_(std::move(tensors)), info_(std::move(info)),
+        description_(info_.describe()) {
     check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate",
                description_);
     register_pending(this);
@@ -135,7 +136,7 @@ class NcclWork final : public Work, public PendingWork {
   }
 
   bool finished() const override { return query() != cudaErrorNotReady; }
-  const std::string& description() const override { return description_; }
+  const WorkInfo& info() const override { return info_; }
 
  private:
   cudaError_t query() const {
@@ -150,7 +151,8 @@ class NcclWork final : public Work, public PendingWork {
   // Held so the buffers outlive the transfer even if the caller drops them;
   // record_stream covers a caller that frees them while this Work lives on.
   std::vector<at::Tensor> tensors_;
-  std::string description_;
+  WorkInfo info_;
+  std::string description_;  // for error messages
   cudaEvent_t done_ = nullptr;
   std::mutex mu_;
   std::string error_;
@@ -262,15 +264,20 @@ class NcclBackend final : public Backend {
   WorkPtr issue(const char* op, std::vector<at::Tensor> tensors, bool async_op,
                 Launch&& launch) {
     std::lock_guard<std::mutex> lock(mu_);  // one NCCL call at a time per communicator
-    const std::string what =
-        std::string(op) + " on " + group_name_ + " #" + std::to_string(++sequence_) + " (nccl)";
+    WorkInfo info;
+    info.op = op;
+    info.group = group_name_;
+    info.seq = ++sequence_;
+    info.bytes = tensors.empty() ? 0 : static_cast<int64_t>(tensors.back().nbytes());  // the input
+    info.backend = "nccl";
+    const std::string what = info.describe();
     c10::cuda::CUDAGuard guard(device_.index());
     check_async_errors(what);
     const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
     check_cuda(cudaEventRecord(ready_, caller), "cudaEventRecord", what);
     check_cuda(cudaStreamWaitEvent(stream_.stream(), ready_, 0), "cudaStreamWaitEvent", what);
     // Created before the launch so that nothing is enqueued if it fails.
-    auto work = std::make_shared<NcclWork>(device_.index(), tensors, what);
+    auto work = std::make_shared<NcclWork>(device_.index(), tensors, std::move(info));
     check_nccl(launch(stream_.stream()), what);
     for (const at::Tensor& t : tensors) compat::record_stream(t, stream_);
     check_cuda(cudaEventRecord(work->event(), stream_.stream()), "cudaEventRecord", what);

@@ -3,7 +3,7 @@
 #include "fsdp/mesh.h"
 
 #include "fsdp/errors.h"
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include <algorithm>
 #include <set>

@@ -21,12 +21,26 @@
 
 namespace fsdp::detail {
 
+// What one issued collective or point-to-point is: the fields counters,
+// traces and watchdogs read (never parsed back out of a text).
+struct WorkInfo {
+  std::string op;       // "all_gather", "reduce_scatter", "all_reduce", "send", ...
+  std::string group;    // the group's name, "ranks[0,1]"
+  uint64_t seq = 0;     // issue number on this group and backend, from 1
+  int64_t bytes = 0;    // payload bytes (the input's; the tensor's for in-place ops)
+  std::string backend;  // "mpi" or "nccl"
+  // "all_gather on ranks[0,1] #12 (mpi)"
+  std::string describe() const {
+    return op + " on " + group + " #" + std::to_string(seq) + " (" + backend + ")";
+  }
+};
+
 // An issued collective as the pending-collective registry sees it (see
 // register_pending).
 class PendingWork {
  public:
   virtual ~PendingWork() = default;
-  virtual const std::string& description() const = 0;
+  virtual const WorkInfo& info() const = 0;
   // Work that completes on a device stream, unseen by the host, stays
   // registered for its handle's lifetime; the registry lists it only while
   // this is false.
@@ -38,17 +52,17 @@ class PendingWork {
 // watchdog can name it.
 class TaskWork : public Work, public PendingWork {
  public:
-  TaskWork(std::function<void()> fn, std::string description);
+  TaskWork(std::function<void()> fn, WorkInfo info);
   ~TaskWork() override;
   void wait() override;
   bool is_completed() override;
 
   void run() noexcept;  // executes fn, records the error, signals waiters
-  const std::string& description() const override { return description_; }
+  const WorkInfo& info() const override { return info_; }
 
  private:
   std::function<void()> fn_;
-  std::string description_;
+  WorkInfo info_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -62,7 +76,7 @@ class CommThread {
  public:
   CommThread();
   ~CommThread();  // drains the queue, then joins
-  WorkPtr submit(std::function<void()> fn, std::string description, bool async_op);
+  WorkPtr submit(std::function<void()> fn, WorkInfo info, bool async_op);
 
  private:
   void loop();
@@ -128,6 +142,8 @@ class ProcessGroupImpl final : public ProcessGroup {
 
   // Frees the backends and the communicator; later calls throw StateError.
   void shutdown();
+  // A new communicator over the same ranks (collective over the group).
+  MPI_Comm duplicate_communicator();
 
  private:
   Backend& backend_for(const at::Tensor& t, const char* argument);
@@ -170,6 +186,15 @@ ProcessGroupPtr group_for(const std::vector<int>& members);
 // A group created before (the world group exists from Runtime start); never
 // communicates. StateError if absent.
 ProcessGroupPtr find_group(const std::vector<int>& members);
+// fully_shard's reductions run on a second group over the same ranks, with
+// its own communicator and comm thread: reduce-scatters and all-reduces are
+// then ordered among themselves (reverse forward order, the same on every
+// rank) independently of the all-gathers, whose order follows the forward
+// and the pre-backward hooks -- however the gradients of a rank arrive. It
+// also lets a reduction run while the next all-gather does. Same name as
+// `group` (counters and traces report them together). Cached; the first call
+// is collective over the group's members.
+ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group);
 void init_group_registry();
 void shutdown_group_registry();
 

@@ -4,8 +4,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/mesh.h"
 #include "fsdp/trace.h"
-#include "process_group.h"
-#include "torch_compat.h"
+#include "comm/process_group.h"
+#include "runtime/torch_compat.h"
 
 #include <torch/cuda.h>
 

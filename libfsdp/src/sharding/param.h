@@ -1,14 +1,17 @@
-// Internal: one parameter managed by fully_shard -- its shard, its unsharded
-// compute buffer, and its gradients in every form.
+// Internal: one parameter managed by fully_shard -- its layout, its shard,
+// its unsharded compute buffer, and its gradients in every form.
 #pragma once
 
+#include "fsdp/comm.h"
 #include "fsdp/dtensor.h"
-#include "fsdp/fully_shard.h"
+#include "fsdp/mesh.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,26 +23,47 @@ struct UnitDtypes {
   std::optional<c10::ScalarType> reduce;  // none = param, else own
 };
 
+// Where a managed parameter lives. FSDP sees only the tensor the module
+// computes with (for a TP/EP DTensor: its local tensor) and splits it over
+// the shard group (`fsdp`: Shard(d) of that tensor, or Replicate). The SPMD
+// view says what the shard is of the global tensor: one placement per dim of
+// the mesh made of FSDP's dims and the dims carried through (tp, ep).
+struct ParamLayout {
+  Placement fsdp = Placement::Shard(0);
+  ProcessGroupPtr shard_group;
+  std::optional<DeviceMesh> spmd_mesh;
+  std::vector<Placement> spmd_placements;
+  std::vector<int64_t> global_shape;
+  // Groups over which the gradient's shards are split (mesh dims that
+  // shard the global tensor, size > 1): a norm sums over them.
+  std::vector<ProcessGroupPtr> split_groups;
+};
+
 class ShardedParam {
  public:
   // Takes `param` (the Variable the module holds) over: after construction
-  // its data is the local shard. `shard_size`/`shard_rank` describe the shard
-  // group; placement is Shard(d) (validated) or Replicate.
-  ShardedParam(std::string name, at::Tensor param, Placement placement, int64_t shard_size,
-               int64_t shard_rank, const UnitDtypes& dtypes, c10::Device compute_device,
-               bool offload, bool pin_memory);
+  // its data is the local shard.
+  ShardedParam(std::string name, at::Tensor param, ParamLayout layout, const UnitDtypes& dtypes,
+               c10::Device compute_device, bool offload, bool pin_memory);
 
   const std::string& name() const { return name_; }
   const at::Tensor& param() const { return param_; }
-  const Placement& placement() const { return placement_; }
-  bool is_sharded_placement() const { return placement_.is_shard(); }
+  const ParamLayout& layout() const { return layout_; }
+  bool is_sharded_placement() const { return layout_.fsdp.is_shard(); }
+  // Shape of the tensor the module computes with (the TP-local shape for a
+  // DTensor parameter).
   const std::vector<int64_t>& full_shape() const { return full_shape_; }
   bool requires_grad() const { return param_.requires_grad(); }
+  c10::ScalarType compute_dtype() const { return param_dtype_; }
+  c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  c10::Device compute_device() const { return compute_device_; }
 
   // Elements of one rank's padded block: chunk * (product of the other dims).
   int64_t padded_block_numel() const { return block_numel_; }
   // The local shard (owned rows, original layout).
   const at::Tensor& local() const { return local_; }
+  // The local shard as a piece of the global tensor.
+  DTensor dtensor() const;
 
   // ---- unshard ----
   // The all-gather input for this rank: the padded shard in param_dtype on the
@@ -52,19 +76,29 @@ class ShardedParam {
   void to_unsharded();
   // Points the parameter back at its local shard and frees the full buffer.
   void to_sharded();
+  bool unsharded() const { return unsharded_; }
 
   // ---- gradients ----
   // Installs (once per AccumulateGrad node) the hook that calls `on_ready`
   // after autograd accumulated the full gradient into param().grad().
   void ensure_grad_hook(std::function<void()> on_ready);
-  // Takes the full gradient out of param().grad() (leaving it undefined) and
-  // adds it, in reduce_dtype, to the unsharded gradient.
-  void take_unsharded_grad();
-  const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
-  // The reduce-scatter input for this parameter: the unsharded gradient
-  // (zeros if none arrived), dim moved first and zero-padded, flattened.
-  at::Tensor reduce_scatter_input();
-  void clear_unsharded_grad() { unsharded_grad_ = at::Tensor(); }
+  // Takes this pass's full gradient out of param().grad() (leaving it
+  // undefined), in reduce_dtype.
+  void take_pass_grad();
+  // A gradient arrived on this rank, in this pass or in unsynchronised ones.
+  bool has_local_grad() const { return pass_grad_.defined() || accumulated_grad_.defined(); }
+  // Writes the gradient to reduce (accumulated + this pass; zeros where
+  // none) into `dst`: [shard_size, block] (a row per destination rank, the
+  // shard dim first, zero-padded) for Shard placements, [numel] otherwise.
+  // `dst` may be a strided view into a fused buffer: this is the only copy.
+  void write_reduce_input(const at::Tensor& dst) const;
+  // The pass is over: reduced (sync) gradients are dropped; unsynchronised
+  // ones join the accumulated gradient.
+  void commit_pass(bool reduced);
+  // A failed pass: its gradient is forgotten, earlier accumulation kept.
+  void discard_pass() { pass_grad_ = at::Tensor(); }
+  // Full gradient accumulated by unsynchronised passes (reduce dtype).
+  const at::Tensor& unsynced_grad() const { return accumulated_grad_; }
   // Adds this rank's reduced block (reduce dtype; the full gradient for a
   // Replicate placement) to the sharded gradient, or to the fp32 main grad.
   void add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad);
@@ -85,7 +119,7 @@ class ShardedParam {
 
   std::string name_;
   at::Tensor param_;
-  Placement placement_;
+  ParamLayout layout_;
   std::vector<int64_t> full_shape_;
   c10::ScalarType orig_dtype_, param_dtype_, reduce_dtype_;
   c10::Device compute_device_;
@@ -104,9 +138,10 @@ class ShardedParam {
   bool unsharded_ = false;
 
   std::shared_ptr<torch::autograd::Node> hooked_accumulator_;  // strong: the param holds it weakly
-  at::Tensor unsharded_grad_;   // full shape, reduce dtype
-  at::Tensor stashed_grad_;     // sharded grad while the param is unsharded
-  at::Tensor main_grad_;        // fp32 main grad (apply_grad_on_fp32_main_grad)
+  at::Tensor pass_grad_;         // this pass's full gradient, reduce dtype
+  at::Tensor accumulated_grad_;  // earlier unsynchronised passes, reduce dtype
+  at::Tensor stashed_grad_;      // sharded grad while the param is unsharded
+  at::Tensor main_grad_;         // fp32 main grad (apply_grad_on_fp32_main_grad)
 };
 
 }  // namespace fsdp::detail

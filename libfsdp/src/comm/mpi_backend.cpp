@@ -1,7 +1,7 @@
 // MPI transport for CPU tensors: blocking MPI collectives executed on the
 // group's CommThread (see comm_thread.cpp), so async_op calls overlap compute.
 #include "fsdp/errors.h"
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include <climits>
 #include <mutex>
@@ -28,8 +28,9 @@ std::vector<int> to_ints(const std::vector<int64_t>& v, const char* what) {
 // A started MPI point-to-point request; keeps its tensor alive until done.
 class RequestWork final : public Work, public PendingWork {
  public:
-  RequestWork(MPI_Request request, at::Tensor tensor, std::string description)
-      : request_(request), tensor_(std::move(tensor)), description_(std::move(description)) {
+  RequestWork(MPI_Request request, at::Tensor tensor, WorkInfo info)
+      : request_(request), tensor_(std::move(tensor)), info_(std::move(info)),
+        description_(info_.describe()) {
     register_pending(this);
   }
   ~RequestWork() override {
@@ -53,7 +54,7 @@ class RequestWork final : public Work, public PendingWork {
     check_mpi(rc, description_.c_str());
     return done_;
   }
-  const std::string& description() const override { return description_; }
+  const WorkInfo& info() const override { return info_; }
 
  private:
   void complete() {
@@ -64,7 +65,8 @@ class RequestWork final : public Work, public PendingWork {
   std::mutex mu_;
   MPI_Request request_;
   at::Tensor tensor_;
-  std::string description_;
+  WorkInfo info_;
+  std::string description_;  // for MPI error messages
   bool done_ = false;
 };
 
@@ -82,7 +84,7 @@ class MpiBackend final : public Backend {
   WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const int count = to_int(in.numel(), "input");
-    return submit("all_gather", async_op, [this, out, in, dt, count] {
+    return submit("all_gather", in, async_op, [this, out, in, dt, count] {
       check_mpi(MPI_Allgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_),
                 "MPI_Allgather");
     });
@@ -92,7 +94,7 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const MPI_Op mop = mpi_op(op, in.scalar_type());
     const int count = to_int(out.numel(), "output");
-    return submit("reduce_scatter", async_op, [this, out, in, dt, mop, count, op] {
+    return submit("reduce_scatter", in, async_op, [this, out, in, dt, mop, count, op] {
       check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_),
                 "MPI_Reduce_scatter_block");
       if (op == ReduceOp::AVG) out.div_(size_);
@@ -103,7 +105,7 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const MPI_Op mop = mpi_op(op, t.scalar_type());
     const int count = to_int(t.numel(), "tensor");
-    return submit("all_reduce", async_op, [this, t, dt, mop, count, op] {
+    return submit("all_reduce", t, async_op, [this, t, dt, mop, count, op] {
       check_mpi(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_), "MPI_Allreduce");
       if (op == ReduceOp::AVG) t.div_(size_);
     });
@@ -112,7 +114,7 @@ class MpiBackend final : public Backend {
   WorkPtr broadcast(at::Tensor t, int root, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const int count = to_int(t.numel(), "tensor");
-    return submit("broadcast", async_op, [this, t, dt, count, root] {
+    return submit("broadcast", t, async_op, [this, t, dt, count, root] {
       check_mpi(MPI_Bcast(t.data_ptr(), count, dt, root, comm_), "MPI_Bcast");
     });
   }
@@ -123,7 +125,7 @@ class MpiBackend final : public Backend {
     auto sd = std::make_shared<std::vector<int>>(to_ints(c.send_displs, "input"));
     auto rc = std::make_shared<std::vector<int>>(to_ints(c.recv_counts, "output_split_sizes"));
     auto rd = std::make_shared<std::vector<int>>(to_ints(c.recv_displs, "output"));
-    return submit("all_to_all", async_op, [this, out, in, dt, sc, sd, rc, rd] {
+    return submit("all_to_all", in, async_op, [this, out, in, dt, sc, sd, rc, rd] {
       check_mpi(MPI_Alltoallv(in.data_ptr(), sc->data(), sd->data(), dt, out.data_ptr(),
                               rc->data(), rd->data(), dt, comm_),
                 "MPI_Alltoallv");
@@ -151,22 +153,30 @@ class MpiBackend final : public Backend {
   }
 
   void barrier() override {
-    submit("barrier", false, [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
+    submit("barrier", at::Tensor(), false, [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
   }
 
  private:
   WorkPtr finish_p2p(const char* op, MPI_Request request, at::Tensor t, bool async_op) {
-    auto work = std::make_shared<RequestWork>(request, std::move(t), describe(op));
+    WorkInfo info = describe(op, t);
+    auto work = std::make_shared<RequestWork>(request, std::move(t), std::move(info));
     if (!async_op) work->wait();
     return work;
   }
 
-  std::string describe(const char* op) {
-    return std::string(op) + " on " + group_name_ + " #" + std::to_string(++sequence_) + " (mpi)";
+  WorkInfo describe(const char* op, const at::Tensor& payload) {
+    WorkInfo info;
+    info.op = op;
+    info.group = group_name_;
+    info.seq = ++sequence_;
+    info.bytes = payload.defined() ? static_cast<int64_t>(payload.nbytes()) : 0;
+    info.backend = "mpi";
+    return info;
   }
 
-  WorkPtr submit(const char* op, bool async_op, std::function<void()> fn) {
-    return thread_->submit(std::move(fn), describe(op), async_op);
+  WorkPtr submit(const char* op, const at::Tensor& payload, bool async_op,
+                 std::function<void()> fn) {
+    return thread_->submit(std::move(fn), describe(op, payload), async_op);
   }
 
   MPI_Comm comm_;

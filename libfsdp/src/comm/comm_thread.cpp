@@ -4,7 +4,7 @@
 // collective needs a thread sitting in that call while the caller computes.
 // Each process group owns one such thread; tasks run strictly in issue order,
 // which keeps the cross-rank collective order equal to the program order.
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include "fsdp/trace.h"
 
@@ -12,26 +12,6 @@
 
 namespace fsdp::detail {
 namespace {
-
-// Descriptions read "<op> on <group> #<seq> (<backend>)" (mpi_backend.cpp).
-struct Described {
-  std::string op, group;
-  int64_t seq = -1;
-};
-
-Described parse_description(const std::string& d) {
-  Described out;
-  const size_t on = d.find(" on ");
-  if (on == std::string::npos) {
-    out.op = d;
-    return out;
-  }
-  out.op = d.substr(0, on);
-  const size_t hash = d.find(" #", on);
-  out.group = d.substr(on + 4, hash == std::string::npos ? std::string::npos : hash - on - 4);
-  if (hash != std::string::npos) out.seq = std::strtoll(d.c_str() + hash + 2, nullptr, 10);
-  return out;
-}
 
 // Span names follow the ProcessGroup methods.
 std::string span_name(const std::string& op) {
@@ -44,16 +24,15 @@ std::string span_name(const std::string& op) {
 // Runs `fn` inside a span on whichever thread executes it (the comm thread,
 // or the caller for an inline synchronous call): op, group, bytes (when the
 // issuer said), the issuer's FSDP unit and the time spent queued.
-std::function<void()> traced(std::function<void()> fn, const std::string& description) {
-  Described d = parse_description(description);
+std::function<void()> traced(std::function<void()> fn, const WorkInfo& d) {
   const int64_t bytes = trace::detail::take_collective_bytes();
   const int64_t unit = trace::detail::current_unit();
   const int64_t submitted = trace::detail::now_ns();
-  return [fn = std::move(fn), d = std::move(d), bytes, unit, submitted] {
+  return [fn = std::move(fn), d, bytes, unit, submitted] {
     trace::Span span(span_name(d.op), "comm");
     if (span.active()) {
       if (!d.group.empty()) span.arg("group", d.group);
-      if (d.seq >= 0) span.arg("seq", d.seq);
+      span.arg("seq", static_cast<int64_t>(d.seq));
       if (bytes >= 0) span.arg("bytes", bytes);
       if (unit >= 0) span.arg("unit", unit);
       span.arg("queued_us", (trace::detail::now_ns() - submitted) / 1000);
@@ -64,8 +43,8 @@ std::function<void()> traced(std::function<void()> fn, const std::string& descri
 
 }  // namespace
 
-TaskWork::TaskWork(std::function<void()> fn, std::string description)
-    : fn_(std::move(fn)), description_(std::move(description)) {
+TaskWork::TaskWork(std::function<void()> fn, WorkInfo info)
+    : fn_(std::move(fn)), info_(std::move(info)) {
   register_pending(this);
 }
 
@@ -108,9 +87,9 @@ CommThread::~CommThread() {
   thread_.join();
 }
 
-WorkPtr CommThread::submit(std::function<void()> fn, std::string description, bool async_op) {
-  if (trace::enabled()) fn = traced(std::move(fn), description);
-  auto work = std::make_shared<TaskWork>(std::move(fn), std::move(description));
+WorkPtr CommThread::submit(std::function<void()> fn, WorkInfo info, bool async_op) {
+  if (trace::enabled()) fn = traced(std::move(fn), info);
+  auto work = std::make_shared<TaskWork>(std::move(fn), std::move(info));
   std::unique_lock<std::mutex> lock(mu_);
   if (!async_op && queue_.empty() && !busy_) {
     // Nothing ahead of us: run on the caller's thread, skipping the hand-off.
@@ -147,7 +126,7 @@ void CommThread::loop() {
     lock.unlock();
     if (!named && trace::enabled()) {
       named = true;
-      const std::string group = parse_description(work->description()).group;
+      const std::string& group = work->info().group;
       trace::set_thread_name("comm " + (group.empty() ? std::string("?") : group));
     }
     work->run();

@@ -5,7 +5,7 @@
 // may differ in what they have cached); a cached group with the same members
 // wins and the fresh communicator is freed.
 #include "fsdp/errors.h"
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include <algorithm>
 #include <map>
@@ -18,6 +18,7 @@ struct Registry {
   std::mutex mu;
   MPI_Comm world = MPI_COMM_NULL;
   std::map<std::vector<int>, std::shared_ptr<ProcessGroupImpl>> groups;
+  std::map<std::vector<int>, std::shared_ptr<ProcessGroupImpl>> reduction_groups;
 };
 
 Registry& registry() {
@@ -36,6 +37,8 @@ void init_group_registry() {
 void shutdown_group_registry() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
+  for (auto& [members, group] : r.reduction_groups) group->shutdown();
+  r.reduction_groups.clear();
   for (auto& [members, group] : r.groups) group->shutdown();
   r.groups.clear();
   if (r.world != MPI_COMM_NULL) MPI_Comm_free(&r.world);
@@ -82,6 +85,24 @@ ProcessGroupPtr group_for(const std::vector<int>& members) {
   auto group = std::make_shared<ProcessGroupImpl>(comm, members, name);
   r.groups.emplace(members, group);
   return group;
+}
+
+ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group) {
+  auto* impl = dynamic_cast<ProcessGroupImpl*>(group.get());
+  if (impl == nullptr) throw StateError("reduction_group_for: not a libfsdp process group");
+  Registry& r = registry();
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.reduction_groups.find(group->world_ranks());
+    if (it != r.reduction_groups.end()) return it->second;
+  }
+  // Every member reaches this point for the same group in the same order
+  // (fully_shard is SPMD), and no member has it cached unless all have.
+  MPI_Comm comm = impl->duplicate_communicator();
+  auto dup = std::make_shared<ProcessGroupImpl>(comm, group->world_ranks(), group->name());
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.reduction_groups.emplace(group->world_ranks(), dup);
+  return dup;
 }
 
 ProcessGroupPtr find_group(const std::vector<int>& members) {

@@ -1,12 +1,13 @@
-// clip_grad_norm_: one norm over the data-parallel mesh. Each gradient is
-// assigned to a bucket: "local" (counted by this rank alone: replicated,
-// plain, or sharded over a group of one) or the shard group of its unit
-// (summed over that group). Each bucket reduces to one scalar per rank, and
-// one all-reduce per non-local bucket combines them.
+// clip_grad_norm_: one norm over the whole mesh. Each gradient is assigned
+// to a bucket: "local" (counted by this rank alone: replicated, plain, or
+// sharded over groups of one) or the list of groups its shards are split
+// over (FSDP's shard group, and tp/ep groups for DTensor parameters; summed
+// over each in turn). Each bucket reduces to one scalar per rank, and one
+// all-reduce per group of a non-local bucket combines them.
 #include "fsdp/clip_grad.h"
 
 #include "fsdp/errors.h"
-#include "fsdp_state.h"
+#include "sharding/query.h"
 
 #include <ATen/ATen.h>
 
@@ -65,25 +66,20 @@ std::vector<at::Tensor> collect(const char* fn, const std::vector<FSDPModule>& m
     } catch (const StateError&) {
       module = nullptr;
     }
-    const auto unit = module ? detail::unit_for_module(*module) : nullptr;
-    if (!unit) {
+    auto params = module ? detail::unit_module_parameters(*module) : std::nullopt;
+    if (!params) {
       throw ArgumentError("modules", std::string(fn) + ": 'modules'[" + std::to_string(i) +
                                          "] refers to no sharded module; pass FSDPModules "
                                          "returned by fully_shard");
     }
-    // A unit over several modules: FSDPModule::module() is only the first.
-    for (const auto& weak : unit->modules) {
-      if (auto m = weak.lock()) {
-        for (const auto& p : m->parameters(/*recurse=*/true)) out.push_back(p);
-      }
-    }
+    out.insert(out.end(), params->begin(), params->end());
   }
   out.insert(out.end(), extra_params.begin(), extra_params.end());
   return out;
 }
 
 struct Bucket {
-  ProcessGroupPtr group;  // null: counted on this rank only
+  std::vector<ProcessGroupPtr> groups;  // empty: counted on this rank only
   std::vector<at::Tensor> grads;
 };
 
@@ -96,39 +92,28 @@ struct Plan {
 // every managed parameter, with or without a gradient, so that every rank
 // issues the same all-reduces even where a gradient is missing on some.
 Plan make_plan(const char* fn, const std::vector<at::Tensor>& parameters) {
-  struct Owner {
-    UnitState* unit;
-    const detail::ShardedParam* param;
-  };
-  std::unordered_map<const c10::TensorImpl*, Owner> owners;
-  for (const auto& u : detail::live_units()) {
-    for (const auto& p : u->group.params()) {
-      owners[p.param().unsafeGetTensorImpl()] = {u.get(), &p};
-    }
-  }
+  const auto managed = detail::managed_grads();
   Plan plan;
   plan.buckets.emplace_back();
-  std::map<std::string, size_t> bucket_of_group;
+  std::map<std::string, size_t> bucket_of_groups;
   std::unordered_set<const c10::TensorImpl*> seen;
-  std::unordered_set<UnitState*> finished;
   for (const auto& t : parameters) {
     if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
     size_t bucket = 0;
-    auto it = owners.find(t.unsafeGetTensorImpl());
-    if (it != owners.end()) {
-      UnitState* unit = it->second.unit;
-      const detail::ShardedParam& p = *it->second.param;
-      if (finished.insert(unit).second) unit->group.finish_reduce();
-      if (unit->group.unsharded() && p.requires_grad()) {
-        throw StateError(std::string(fn) + ": parameter '" + p.name() +
+    auto it = managed.find(t.unsafeGetTensorImpl());
+    if (it != managed.end()) {
+      const detail::ManagedGrad& m = it->second;
+      if (m.unsharded && m.requires_grad) {
+        throw StateError(std::string(fn) + ": parameter '" + m.name +
                          "' is unsharded, so its sharded gradient is set aside (e.g. after a "
                          "backward with set_reshard_after_backward(false)); call reshard() on "
                          "its unit first");
       }
-      const ProcessGroupPtr& shard_group = unit->group.shard_group();
-      if (p.is_sharded_placement() && shard_group->size() > 1) {
-        auto [pos, added] = bucket_of_group.emplace(shard_group->name(), plan.buckets.size());
-        if (added) plan.buckets.push_back({shard_group, {}});
+      if (!m.split_groups.empty()) {
+        std::string key;
+        for (const auto& g : m.split_groups) key += g->name() + ";";
+        auto [pos, added] = bucket_of_groups.emplace(key, plan.buckets.size());
+        if (added) plan.buckets.push_back({m.split_groups, {}});
         bucket = pos->second;
       }
     }
@@ -168,9 +153,9 @@ double total_norm(const Plan& plan, double p) {
   double total = 0;
   for (const auto& b : plan.buckets) {
     double share = local_share(b.grads, p);
-    if (b.group) {
+    for (const auto& g : b.groups) {
       at::Tensor t = at::full({1}, share, at::TensorOptions().dtype(at::kDouble));
-      b.group->all_reduce(t, inf ? ReduceOp::MAX : ReduceOp::SUM);
+      g->all_reduce(t, inf ? ReduceOp::MAX : ReduceOp::SUM);
       share = t.item<double>();
     }
     total = inf ? std::max(total, share) : total + share;

@@ -1,8 +1,8 @@
 // ShardedParam: shard layout, unshard/reshard by set_data, gradient capture.
-#include "fsdp_param.h"
+#include "sharding/param.h"
 
 #include "fsdp/errors.h"
-#include "torch_compat.h"
+#include "runtime/torch_compat.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -31,29 +31,64 @@ int64_t product(c10::IntArrayRef v) {
   return p;
 }
 
+// Places the rows of `src` ([n, rest...], shard dim first) into `dst`
+// ([ranks, chunk * rest], one row per destination rank): source row k goes
+// to rank k / chunk, row k % chunk; rows past n are zero. Splitting a dim is
+// always a view, so neither side is copied on the way.
+void scatter_rows(const at::Tensor& dst, const at::Tensor& src, int64_t chunk, bool add) {
+  const int64_t ranks = dst.size(0);
+  if (chunk == 0) return;
+  std::vector<int64_t> shape{ranks, chunk};
+  for (int64_t i = 1; i < src.dim(); ++i) shape.push_back(src.size(i));
+  const at::Tensor d = dst.view(shape);
+  const int64_t n = src.size(0);
+  const int64_t whole = n / chunk;
+  const int64_t rest = n % chunk;
+  auto put = [add](const at::Tensor& to, const at::Tensor& from) {
+    if (add) {
+      to.add_(from);
+    } else {
+      to.copy_(from);
+    }
+  };
+  if (whole > 0) {
+    std::vector<int64_t> split = shape;
+    split[0] = whole;
+    put(d.narrow(0, 0, whole), src.narrow(0, 0, whole * chunk).view(split));
+  }
+  if (whole < ranks) {
+    const at::Tensor partial = d.select(0, whole);
+    if (rest > 0) put(partial.narrow(0, 0, rest), src.narrow(0, whole * chunk, rest));
+    if (!add) {
+      partial.narrow(0, rest, chunk - rest).zero_();
+      d.narrow(0, whole + 1, ranks - whole - 1).zero_();
+    }
+  }
+}
+
 }  // namespace
 
-ShardedParam::ShardedParam(std::string name, at::Tensor param, Placement placement,
-                           int64_t shard_size, int64_t shard_rank, const UnitDtypes& dtypes,
-                           c10::Device compute_device, bool offload, bool pin_memory)
+ShardedParam::ShardedParam(std::string name, at::Tensor param, ParamLayout layout,
+                           const UnitDtypes& dtypes, c10::Device compute_device, bool offload,
+                           bool pin_memory)
     : name_(std::move(name)),
       param_(std::move(param)),
-      placement_(placement),
+      layout_(std::move(layout)),
       full_shape_(param_.sizes().vec()),
       orig_dtype_(param_.scalar_type()),
       param_dtype_(dtypes.param.value_or(orig_dtype_)),
       reduce_dtype_(dtypes.reduce.value_or(param_dtype_)),
       compute_device_(compute_device),
-      shard_size_(shard_size),
-      shard_rank_(shard_rank) {
+      shard_size_(layout_.shard_group->size()),
+      shard_rank_(layout_.shard_group->rank()) {
   const at::Tensor full = param_.detach();
   const auto storage_device = offload ? c10::Device(c10::kCPU) : compute_device_;
   auto storage_options = full.options().device(storage_device);
   if (offload && pin_memory && compute_device_.is_cuda()) {
     storage_options = storage_options.pinned_memory(true);
   }
-  if (placement_.is_shard()) {
-    dim_ = placement_.dim();
+  if (layout_.fsdp.is_shard()) {
+    dim_ = layout_.fsdp.dim();
     const at::Tensor moved = full.movedim(dim_, 0);
     moved_shape_ = moved.sizes().vec();
     const int64_t rows = moved_shape_[0];
@@ -76,8 +111,13 @@ ShardedParam::ShardedParam(std::string name, at::Tensor param, Placement placeme
 }
 
 at::Tensor ShardedParam::owned(const at::Tensor& block) const {
-  if (!placement_.is_shard()) return block;
+  if (!layout_.fsdp.is_shard()) return block;
   return block.narrow(0, 0, owned_rows_).movedim(0, dim_);
+}
+
+DTensor ShardedParam::dtensor() const {
+  return DTensor::from_local(local_, *layout_.spmd_mesh, layout_.spmd_placements,
+                             layout_.global_shape);
 }
 
 at::Tensor ShardedParam::all_gather_input() {
@@ -93,14 +133,14 @@ at::Tensor ShardedParam::all_gather_input() {
 }
 
 at::Tensor ShardedParam::all_gather_output() {
-  const int64_t numel = block_numel_ * (placement_.is_shard() ? shard_size_ : 1);
+  const int64_t numel = block_numel_ * (layout_.fsdp.is_shard() ? shard_size_ : 1);
   const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(param_dtype_);
   if (!unsharded_buf_.defined()) {
-    std::vector<int64_t> shape = placement_.is_shard() ? moved_shape_ : full_shape_;
-    if (placement_.is_shard()) shape[0] = chunk_ * shard_size_;
+    std::vector<int64_t> shape = layout_.fsdp.is_shard() ? moved_shape_ : full_shape_;
+    if (layout_.fsdp.is_shard()) shape[0] = chunk_ * shard_size_;
     unsharded_buf_ = at::empty(shape, padded_.options().dtype(param_dtype_).device(
                                           compute_device_).pinned_memory(false));
-    full_ = placement_.is_shard()
+    full_ = layout_.fsdp.is_shard()
                 ? unsharded_buf_.narrow(0, 0, moved_shape_[0]).movedim(0, dim_)
                 : unsharded_buf_;
   } else {
@@ -111,7 +151,7 @@ at::Tensor ShardedParam::all_gather_output() {
 
 void ShardedParam::to_unsharded() {
   if (unsharded_) return;
-  if (!placement_.is_shard()) all_gather_output().copy_(padded_.view({-1}));
+  if (!layout_.fsdp.is_shard()) all_gather_output().copy_(padded_.view({-1}));
   // The sharded gradient waits aside while autograd works on the full one.
   if (param_.grad().defined()) {
     stashed_grad_ = param_.grad();
@@ -143,29 +183,48 @@ void ShardedParam::ensure_grad_hook(std::function<void()> on_ready) {
   hooked_accumulator_ = std::move(accumulator);
 }
 
-void ShardedParam::take_unsharded_grad() {
+void ShardedParam::take_pass_grad() {
   at::Tensor g = param_.grad();
   if (!g.defined()) return;
   param_.mutable_grad() = at::Tensor();
   // Autograd hands over a fresh tensor; keeping it (or its cast) is safe.
-  unsharded_grad_ = unsharded_grad_.defined() ? unsharded_grad_.add_(g.to(reduce_dtype_))
-                                              : g.to(reduce_dtype_);
+  at::Tensor r = g.to(reduce_dtype_);
+  pass_grad_ = pass_grad_.defined() ? pass_grad_.add_(r) : r;
 }
 
-at::Tensor ShardedParam::reduce_scatter_input() {
-  const auto options = padded_.options().dtype(reduce_dtype_).device(compute_device_)
-                           .pinned_memory(false);
-  if (!placement_.is_shard()) {
-    return unsharded_grad_.defined() ? unsharded_grad_.contiguous().view({-1})
-                                     : at::zeros({block_numel_}, options);
+void ShardedParam::write_reduce_input(const at::Tensor& dst) const {
+  const bool any = has_local_grad();
+  if (!layout_.fsdp.is_shard()) {
+    const at::Tensor d = dst.view(full_shape_);
+    if (!any) {
+      d.zero_();
+      return;
+    }
+    d.copy_(accumulated_grad_.defined() ? accumulated_grad_ : pass_grad_);
+    if (accumulated_grad_.defined() && pass_grad_.defined()) d.add_(pass_grad_);
+    return;
   }
-  std::vector<int64_t> shape = moved_shape_;
-  shape[0] = chunk_ * shard_size_;
-  at::Tensor input = at::zeros(shape, options);
-  if (unsharded_grad_.defined()) {
-    input.narrow(0, 0, moved_shape_[0]).copy_(unsharded_grad_.movedim(dim_, 0));
+  if (!any) {
+    dst.zero_();
+    return;
   }
-  return input.view({-1});
+  const at::Tensor& first = accumulated_grad_.defined() ? accumulated_grad_ : pass_grad_;
+  scatter_rows(dst, first.movedim(dim_, 0), chunk_, /*add=*/false);
+  if (accumulated_grad_.defined() && pass_grad_.defined()) {
+    scatter_rows(dst, pass_grad_.movedim(dim_, 0), chunk_, /*add=*/true);
+  }
+}
+
+void ShardedParam::commit_pass(bool reduced) {
+  if (reduced) {
+    pass_grad_ = at::Tensor();
+    accumulated_grad_ = at::Tensor();
+    return;
+  }
+  if (!pass_grad_.defined()) return;
+  accumulated_grad_ =
+      accumulated_grad_.defined() ? accumulated_grad_.add_(pass_grad_) : pass_grad_;
+  pass_grad_ = at::Tensor();
 }
 
 at::Tensor ShardedParam::current_sharded_grad() const {
@@ -182,7 +241,7 @@ void ShardedParam::set_grad(const at::Tensor& g) {
 
 void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad) {
   at::Tensor g;
-  if (placement_.is_shard()) {
+  if (layout_.fsdp.is_shard()) {
     std::vector<int64_t> block_shape = moved_shape_;
     block_shape[0] = chunk_;
     g = owned(reduced.view(block_shape));
@@ -215,7 +274,8 @@ void ShardedParam::restore_grad(const at::Tensor& g, bool fp32_main_grad) {
 void ShardedParam::zero_grad() {
   param_.mutable_grad() = at::Tensor();
   stashed_grad_ = at::Tensor();
-  unsharded_grad_ = at::Tensor();
+  pass_grad_ = at::Tensor();
+  accumulated_grad_ = at::Tensor();
   main_grad_ = at::Tensor();
 }
 

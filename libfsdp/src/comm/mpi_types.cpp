@@ -4,7 +4,7 @@
 // 2-byte contiguous type; their SUM and MAX are user ops that widen each pair
 // of operands to float32, combine, and round once back to 16 bits.
 #include "fsdp/errors.h"
-#include "process_group.h"
+#include "comm/process_group.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -1,0 +1,102 @@
+// fully_shard's policies and options: the bottom of the FSDP include graph
+// (the role of PyTorch's _fsdp_api.py). Nothing here communicates.
+#pragma once
+
+#include "fsdp/dtensor.h"
+#include "fsdp/mesh.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// Mixed precision (all fields optional). Shards keep their original dtype.
+struct MixedPrecisionPolicy {
+  // All-gather and compute dtype of the parameters (none = original dtype).
+  std::optional<c10::ScalarType> param_dtype;
+  // Gradient reduction dtype (none = param_dtype, else original dtype). The
+  // sharded gradient handed to the optimizer has this dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
+  // Floating tensor outputs of the unit's forward are cast to this dtype.
+  std::optional<c10::ScalarType> output_dtype;
+  // Cast floating tensor inputs of the unit's forward to param_dtype.
+  bool cast_forward_inputs = true;
+  // Accumulate each reduced gradient into an fp32 main gradient, which is
+  // what param.grad() then holds (and FSDPModule::main_grads() returns).
+  bool apply_grad_on_fp32_main_grad = false;
+};
+
+// Keep shards and sharded gradients in CPU memory (pinned when CUDA is
+// present); they move to the compute device for the all-gather. On a
+// CPU-only build this is valid and changes nothing (the device is the CPU).
+struct CPUOffloadPolicy {
+  bool pin_memory = true;
+};
+
+// What shard_placement_fn returns for one parameter (PyTorch's
+// ShardPlacementResult):
+//  - placement: Shard(d) (dims other than 0 must divide evenly over the shard
+//    group) or Replicate() (managed, not sharded, gradients all-reduced) on
+//    FSDP's shard dim. For a parameter already sharded by tensor or expert
+//    parallelism it applies to the local tensor.
+//  - mesh: the FSDP mesh of this parameter (1-D shard, or 2-D (replicate,
+//    shard)); none = the unit's. Each distinct (mesh, divide factor) becomes
+//    one parameter group of the unit, with its own all-gather and
+//    reduce-scatter -- how experts are sharded on a smaller mesh than the
+//    dense weights of the same block.
+//  - gradient_divide_factor: with reduce op "avg", gradients are divided by
+//    this instead of the mesh's data-parallel size (shard x replicate), e.g.
+//    the full data-parallel size for experts sharded on a sub-mesh. > 0.
+struct ShardPlacementResult {
+  ShardPlacementResult(Placement p) : placement(p) {}  // NOLINT: a bare placement is a result
+  ShardPlacementResult(Placement p, DeviceMesh m, std::optional<double> divide_factor = {})
+      : placement(p), mesh(std::move(m)), gradient_divide_factor(divide_factor) {}
+  Placement placement;
+  std::optional<DeviceMesh> mesh;
+  std::optional<double> gradient_divide_factor;
+};
+
+// Per-parameter placement override; std::nullopt = Shard(0) on the unit's mesh.
+using ShardPlacementFn = std::function<std::optional<ShardPlacementResult>(
+    const std::string& name, const at::Tensor& param)>;
+
+struct FullyShardOptions {
+  // FSDP's mesh. 1-D = FSDP, 2-D (replicate, shard) = HSDP; with more dims
+  // (e.g. (replicate, shard, tp)) shard_dim (and replicate_dim) name FSDP's
+  // dims and the others are carried through: parameters are replicated on
+  // them, or placed as their DTensor (dtensor_params) says. None: 1-D over
+  // the world.
+  std::optional<DeviceMesh> mesh;
+  // Names of FSDP's dims in `mesh`. Defaults: a 1-D mesh shards on its dim;
+  // a 2-D mesh is (replicate, shard); a mesh of 3+ dims uses the dims named
+  // "shard" and "replicate" if it has them, else needs shard_dim.
+  std::optional<std::string> shard_dim;
+  std::optional<std::string> replicate_dim;
+  // Free the unsharded parameters after forward (and re-gather for backward).
+  bool reshard_after_forward = true;
+  ShardPlacementFn shard_placement_fn;
+  MixedPrecisionPolicy mp_policy;
+  std::optional<CPUOffloadPolicy> offload_policy;
+  // Left as plain full tensors: never communicated.
+  std::vector<at::Tensor> ignored_params;
+  // Managed but not sharded: full on every rank, gradients all-reduced.
+  std::vector<at::Tensor> replicate_params;
+  // Parameters already distributed by tensor or expert parallelism: DTensors
+  // whose local tensor is the module's parameter (the same tensor, not a
+  // copy). FSDP shards the local tensor further and records the combined
+  // placement on the mesh of FSDP's dims and the DTensor's dims, so
+  // sharded_parameters(), state dicts, clip_grad_norm_ and checkpoints see
+  // the global tensor. Their mesh must be a slice of `mesh` (its non-FSDP
+  // dims) or of the mesh `mesh` was sliced from.
+  std::vector<DTensor> dtensor_params;
+  // One all-gather and one reduce-scatter per parameter group per pass over
+  // a flat buffer, instead of one per parameter.
+  bool comm_fusion = false;
+};
+
+}  // namespace fsdp

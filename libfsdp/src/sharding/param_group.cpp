@@ -1,0 +1,420 @@
+// ParamGroup: the collectives of one unit's parameters on one mesh.
+#include "sharding/param_group.h"
+
+#include "fsdp/trace.h"
+#include "comm/process_group.h"
+#include "runtime/torch_compat.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <deque>
+#include <mutex>
+
+namespace fsdp::detail {
+namespace {
+
+// Tells the communication-thread span of the collective about to be issued
+// on this thread its size (CPU tensors: the MPI backend's comm thread).
+void hint_bytes(const at::Tensor& t) {
+  if (trace::enabled() && t.is_cpu()) {
+    trace::detail::hint_collective_bytes(static_cast<int64_t>(t.nbytes()));
+  }
+}
+
+// Groups whose replicate all-reduce is still to be issued, in the order
+// their reduce-scatters were issued.
+struct AllReduceQueue {
+  std::mutex mu;
+  std::deque<ParamGroup*> groups;
+};
+AllReduceQueue& all_reduce_queue() {
+  static AllReduceQueue q;
+  return q;
+}
+
+}  // namespace
+
+// One reduced parameter: its reduced block and its presence count, views
+// into the reduction's output.
+struct ParamGroup::Entry {
+  size_t param;
+  at::Tensor out;
+  at::Tensor flag;
+};
+
+ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_group,
+                       ProcessGroupPtr replicate_group, std::optional<double> divide_factor,
+                       bool fused)
+    : params_(std::move(params)),
+      shard_group_(std::move(shard_group)),
+      replicate_group_(std::move(replicate_group)),
+      scatter_group_(reduction_group_for(shard_group_)),
+      all_reduce_group_(replicate_group_ ? reduction_group_for(replicate_group_) : nullptr),
+      divide_factor_(divide_factor),
+      fused_(fused) {
+  for (const auto& p : params_) {
+    fused_offsets_.push_back(fused_block_numel_);
+    if (p.is_sharded_placement()) fused_block_numel_ += p.padded_block_numel();
+  }
+  partial_sums_.resize(params_.size());
+  partial_presence_.resize(params_.size());
+  base_grads_.resize(params_.size());
+}
+
+// Groups move only while their unit is built, before any reduction, so a
+// queued pointer never dangles.
+ParamGroup::ParamGroup(ParamGroup&&) noexcept = default;
+ParamGroup& ParamGroup::operator=(ParamGroup&&) noexcept = default;
+ParamGroup::~ParamGroup() { leave_all_reduce_queue(); }
+
+void ParamGroup::poll_all_reduces() {
+  auto& q = all_reduce_queue();
+  std::lock_guard<std::mutex> lock(q.mu);
+  while (!q.groups.empty() && q.groups.front()->issue_all_reduce(/*wait=*/false)) {
+    q.groups.pop_front();
+  }
+}
+
+void ParamGroup::flush_all_reduces_through() {
+  auto& q = all_reduce_queue();
+  std::lock_guard<std::mutex> lock(q.mu);
+  if (std::find(q.groups.begin(), q.groups.end(), this) == q.groups.end()) return;
+  for (;;) {
+    ParamGroup* g = q.groups.front();
+    g->issue_all_reduce(/*wait=*/true);
+    q.groups.pop_front();
+    if (g == this) return;
+  }
+}
+
+void ParamGroup::leave_all_reduce_queue() {
+  auto& q = all_reduce_queue();
+  std::lock_guard<std::mutex> lock(q.mu);
+  q.groups.erase(std::remove(q.groups.begin(), q.groups.end(), this), q.groups.end());
+}
+
+bool ParamGroup::reduces() const {
+  for (const auto& p : params_) {
+    if (p.requires_grad()) return true;
+  }
+  return false;
+}
+
+void ParamGroup::issue_unshard() {
+  if (unsharded_ || gather_issued_) return;
+  gather_issued_ = true;
+  const int64_t ws = shard_group_->size();
+  trace::Span span("all-gather issue", "fsdp");
+  if (span.active()) span.arg("group", shard_group_->name()).arg("fused", fused_);
+  int64_t traced_bytes = 0;  // of the gathered (full) buffers
+  if (fused_ && fused_block_numel_ > 0) {
+    at::Tensor input;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& p = params_[i];
+      if (!p.is_sharded_placement()) continue;
+      at::Tensor in = p.all_gather_input();
+      if (!input.defined()) input = at::empty({fused_block_numel_}, in.options());
+      input.narrow(0, fused_offsets_[i], p.padded_block_numel()).copy_(in);
+    }
+    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) * input.element_size();
+    if (!fused_gather_out_.defined()) {
+      fused_gather_out_ = at::empty({fused_block_numel_ * ws}, input.options());
+    } else {
+      compat::restore_storage(fused_gather_out_, nbytes);
+    }
+    if (ws == 1) {
+      fused_gather_out_.copy_(input);
+    } else {
+      hint_bytes(fused_gather_out_);
+      gather_works_.push_back(
+          shard_group_->all_gather_into_tensor(fused_gather_out_, input, /*async_op=*/true));
+    }
+    span.arg("bytes", static_cast<int64_t>(nbytes));
+    return;
+  }
+  for (auto& p : params_) {
+    if (!p.is_sharded_placement()) continue;
+    at::Tensor out = p.all_gather_output();
+    at::Tensor in = p.all_gather_input();
+    traced_bytes += static_cast<int64_t>(out.nbytes());
+    if (ws == 1) {
+      out.copy_(in);
+    } else {
+      hint_bytes(out);
+      gather_works_.push_back(shard_group_->all_gather_into_tensor(out, in, /*async_op=*/true));
+    }
+  }
+  span.arg("bytes", traced_bytes);
+}
+
+void ParamGroup::finish_unshard() {
+  if (unsharded_) return;
+  issue_unshard();
+  trace::Span span("all-gather wait", "fsdp");
+  if (span.active()) {
+    span.arg("group", shard_group_->name())
+        .arg("collectives", static_cast<int64_t>(gather_works_.size()));
+  }
+  for (auto& w : gather_works_) w->wait();
+  gather_works_.clear();
+  gather_issued_ = false;
+  if (fused_ && fused_block_numel_ > 0) {
+    const int64_t ws = shard_group_->size();
+    const at::Tensor gathered = fused_gather_out_.view({ws, fused_block_numel_});
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& p = params_[i];
+      if (!p.is_sharded_placement()) continue;
+      p.all_gather_output()
+          .view({ws, p.padded_block_numel()})
+          .copy_(gathered.narrow(1, fused_offsets_[i], p.padded_block_numel()));
+    }
+    compat::release_storage(fused_gather_out_);
+  }
+  for (auto& p : params_) p.to_unsharded();
+  unsharded_ = true;
+}
+
+void ParamGroup::reshard() {
+  trace::Span span(unsharded_ || gather_issued_ ? "reshard" : nullptr, "fsdp");
+  for (auto& w : gather_works_) w->wait();
+  gather_works_.clear();
+  if (gather_issued_ && fused_ && fused_gather_out_.defined()) {
+    compat::release_storage(fused_gather_out_);
+  }
+  gather_issued_ = false;
+  for (auto& p : params_) p.to_sharded();
+  unsharded_ = false;
+}
+
+void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
+  if (stage_ != Stage::None) finish_reduce();
+  entries_.clear();
+  scatter_inputs_.clear();
+  all_reduce_bufs_.clear();
+  std::vector<size_t> sharded, replicated;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].requires_grad()) continue;
+    (params_[i].is_sharded_placement() ? sharded : replicated).push_back(i);
+  }
+  if (sharded.empty() && replicated.empty()) return;
+  settings_ = settings;
+  stage_ = Stage::Prepared;
+  const int64_t ws = shard_group_->size();
+  auto options_of = [](const ShardedParam& p) {
+    return at::TensorOptions().dtype(p.reduce_dtype()).device(p.compute_device());
+  };
+  auto presence = [](const ShardedParam& p) { return p.has_local_grad() ? 1.0 : 0.0; };
+  // Replicate placements: the full gradient and its flag, all-reduced over
+  // the shard group in place.
+  for (size_t i : replicated) {
+    auto& p = params_[i];
+    const int64_t n = p.padded_block_numel();
+    at::Tensor buf = at::empty({n + 1}, options_of(p));
+    p.write_reduce_input(buf.narrow(0, 0, n));
+    buf.narrow(0, n, 1).fill_(presence(p));
+    p.discard_pass();
+    entries_.push_back({i, buf.narrow(0, 0, n), buf.narrow(0, n, 1)});
+    scatter_inputs_.push_back(buf);
+    all_reduce_bufs_.push_back(buf);
+  }
+  if (sharded.empty()) return;
+  // Shard placements: a row per destination rank, each row ending in the
+  // flags, so that every rank's reduced block carries the presence sums.
+  if (fused_) {
+    int64_t total = 0;
+    for (size_t i : sharded) total += params_[i].padded_block_numel();
+    const int64_t flags = static_cast<int64_t>(sharded.size());
+    at::Tensor input = at::empty({ws, total + flags}, options_of(params_[sharded[0]]));
+    at::Tensor out = at::empty({total + flags}, input.options());
+    int64_t offset = 0;
+    for (size_t k = 0; k < sharded.size(); ++k) {
+      auto& p = params_[sharded[k]];
+      const int64_t n = p.padded_block_numel();
+      p.write_reduce_input(input.narrow(1, offset, n));
+      input.narrow(1, total + static_cast<int64_t>(k), 1).fill_(presence(p));
+      p.discard_pass();
+      entries_.push_back({sharded[k], out.narrow(0, offset, n),
+                          out.narrow(0, total + static_cast<int64_t>(k), 1)});
+      offset += n;
+    }
+    scatter_inputs_.push_back(input);
+    scatter_inputs_.push_back(out);
+    all_reduce_bufs_.push_back(out);
+    return;
+  }
+  for (size_t i : sharded) {
+    auto& p = params_[i];
+    const int64_t n = p.padded_block_numel();
+    at::Tensor input = at::empty({ws, n + 1}, options_of(p));
+    p.write_reduce_input(input.narrow(1, 0, n));
+    input.narrow(1, n, 1).fill_(presence(p));
+    p.discard_pass();
+    at::Tensor out = at::empty({n + 1}, input.options());
+    entries_.push_back({i, out.narrow(0, 0, n), out.narrow(0, n, 1)});
+    scatter_inputs_.push_back(input);
+    scatter_inputs_.push_back(out);
+    all_reduce_bufs_.push_back(out);
+  }
+}
+
+void ParamGroup::issue_reduce() {
+  if (stage_ != Stage::Prepared) return;
+  stage_ = Stage::Scattering;
+  const int64_t ws = shard_group_->size();
+  // The issue; "reduce-scatter wait" (finish_reduce) is the rest.
+  trace::Span span("reduce-scatter", "fsdp");
+  if (span.active()) span.arg("group", shard_group_->name()).arg("fused", fused_);
+  int64_t traced_bytes = 0;  // of the full gradients reduced
+  // scatter_inputs_ holds a Replicate parameter's buffer alone, a Shard
+  // group's as (input, output) pairs; their count tells them apart.
+  size_t k = 0;
+  while (k < scatter_inputs_.size()) {
+    const at::Tensor& in = scatter_inputs_[k];
+    traced_bytes += static_cast<int64_t>(in.nbytes());
+    if (in.dim() == 1) {  // Replicate: all-reduce in place
+      if (ws > 1) {
+        hint_bytes(in);
+        scatter_works_.push_back(scatter_group_->all_reduce(in, ReduceOp::SUM, true));
+      }
+      k += 1;
+      continue;
+    }
+    const at::Tensor& out = scatter_inputs_[k + 1];
+    if (ws == 1) {
+      out.copy_(in.view({-1}));
+    } else {
+      hint_bytes(in);
+      scatter_works_.push_back(
+          scatter_group_->reduce_scatter_tensor(out, in.view({-1}), ReduceOp::SUM, true));
+    }
+    k += 2;
+  }
+  span.arg("bytes", traced_bytes);
+  if (hsdp() && settings_.all_reduce) {
+    auto& q = all_reduce_queue();
+    std::lock_guard<std::mutex> lock(q.mu);
+    q.groups.push_back(this);
+  }
+}
+
+void ParamGroup::wait_all(std::vector<WorkPtr>& works, const char* what) {
+  trace::Span span(works.empty() ? nullptr : what, "fsdp");
+  if (span.active()) {
+    span.arg("group", shard_group_->name()).arg("collectives", static_cast<int64_t>(works.size()));
+  }
+  for (auto& w : works) w->wait();
+  works.clear();
+}
+
+bool ParamGroup::issue_all_reduce(bool wait) {
+  if (stage_ != Stage::Scattering || !hsdp() || !settings_.all_reduce) return true;
+  if (!wait) {
+    for (auto& w : scatter_works_) {
+      if (!w->is_completed()) return false;
+    }
+  }
+  wait_all(scatter_works_, "reduce-scatter wait");
+  // Sums kept back by earlier steps that skipped the all-reduce join this
+  // one, in place, so a single all-reduce covers them.
+  for (auto& e : entries_) {
+    if (!partial_sums_[e.param].defined()) continue;
+    e.out.add_(partial_sums_[e.param]);
+    e.flag.add_(partial_presence_[e.param]);
+  }
+  trace::Span span("all-reduce", "fsdp");
+  int64_t traced_bytes = 0;
+  for (const auto& buf : all_reduce_bufs_) {
+    traced_bytes += static_cast<int64_t>(buf.nbytes());
+    hint_bytes(buf);
+    all_reduce_works_.push_back(all_reduce_group_->all_reduce(buf, ReduceOp::SUM, true));
+  }
+  if (span.active()) span.arg("group", replicate_group_->name()).arg("bytes", traced_bytes);
+  stage_ = Stage::AllReducing;
+  return true;
+}
+
+void ParamGroup::finish_reduce() {
+  if (stage_ == Stage::None) return;
+  if (stage_ == Stage::Prepared) issue_reduce();
+  flush_all_reduces_through();
+  wait_all(scatter_works_, "reduce-scatter wait");
+  wait_all(all_reduce_works_, "all-reduce wait");
+  install();
+  entries_.clear();
+  scatter_inputs_.clear();
+  all_reduce_bufs_.clear();
+  stage_ = Stage::None;
+}
+
+void ParamGroup::drop_reduce() {
+  // An all-reduce still queued may already be issued on other ranks (it is
+  // issued when the reduce-scatter finishes, a matter of timing): issue it
+  // here too, so that every rank drops the same collectives.
+  if (stage_ == Stage::Scattering) flush_all_reduces_through();
+  // The buffers must outlive the collectives that use them.
+  for (auto* works : {&scatter_works_, &all_reduce_works_}) {
+    for (auto& w : *works) {
+      try {
+        w->wait();
+      } catch (const std::exception&) {
+        // The failed pass is being discarded; its transport error was its own.
+      }
+    }
+    works->clear();
+  }
+  entries_.clear();
+  scatter_inputs_.clear();
+  all_reduce_bufs_.clear();
+  stage_ = Stage::None;
+}
+
+void ParamGroup::install() {
+  const ReduceSettings& s = settings_;
+  const double shard_size = static_cast<double>(shard_group_->size());
+  const double replicate_size = hsdp() ? static_cast<double>(replicate_group_->size()) : 1.0;
+  const double divide = divide_factor_.value_or(shard_size * replicate_size);
+  const double extra = s.scaling_factor.value_or(1.0);
+  const double full_scale = (s.average ? 1.0 / divide : 1.0) * extra;
+  // Replica-local mean while the replicate all-reduce is skipped.
+  const double shard_scale = (s.average ? replicate_size / divide : 1.0) * extra;
+  std::vector<at::Tensor> flag_views;
+  for (const auto& e : entries_) flag_views.push_back(e.flag);
+  if (flag_views.empty()) return;
+  // One host copy for every flag (a single device sync on CUDA).
+  const at::Tensor flags = at::cat(flag_views).to(at::kCPU, at::kDouble);
+  const double* present = flags.data_ptr<double>();
+
+  if (hsdp() && !s.all_reduce) {
+    for (size_t k = 0; k < entries_.size(); ++k) {
+      const Entry& e = entries_[k];
+      at::Tensor& partial = partial_sums_[e.param];
+      // The gradient before the first kept-back step, restored when the
+      // global result replaces the replica-local means.
+      if (!partial.defined()) base_grads_[e.param] = params_[e.param].sharded_grad_copy(s.fp32_main_grad);
+      partial = partial.defined() ? partial.add_(e.out) : e.out.clone();
+      partial_presence_[e.param] += present[k];
+      if (present[k] > 0) params_[e.param].add_reduced_grad(e.out * shard_scale, s.fp32_main_grad);
+    }
+    return;
+  }
+  for (size_t k = 0; k < entries_.size(); ++k) {
+    const Entry& e = entries_[k];
+    if (partial_sums_[e.param].defined()) {
+      params_[e.param].restore_grad(base_grads_[e.param], s.fp32_main_grad);
+      base_grads_[e.param] = at::Tensor();
+      partial_sums_[e.param] = at::Tensor();
+      partial_presence_[e.param] = 0;
+    }
+    // No rank had a gradient: the parameter keeps none, as in plain LibTorch.
+    if (present[k] > 0) params_[e.param].add_reduced_grad(e.out * full_scale, s.fp32_main_grad);
+  }
+}
+
+void ParamGroup::clear_partial_sums() {
+  for (auto& partial : partial_sums_) partial = at::Tensor();
+  for (auto& base : base_grads_) base = at::Tensor();
+  std::fill(partial_presence_.begin(), partial_presence_.end(), 0.0);
+}
+
+}  // namespace fsdp::detail

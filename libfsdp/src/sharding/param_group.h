@@ -1,0 +1,121 @@
+// Internal: the parameters of one unit that share a mesh, and the collectives
+// that move them -- all-gather to unshard, reduce-scatter (+ all-reduce over
+// the replicate dim for HSDP) to reduce gradients, per parameter or fused
+// over one flat buffer. A unit has one group per distinct FSDP mesh.
+#pragma once
+
+#include "fsdp/comm.h"
+#include "sharding/param.h"
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+struct ReduceSettings {
+  bool average = true;                  // "avg": divide by the divide factor
+  std::optional<double> scaling_factor;  // extra multiplier
+  bool all_reduce = true;               // HSDP: all-reduce over the replicate dim
+  bool fp32_main_grad = false;
+};
+
+class ParamGroup {
+ public:
+  // divide_factor: "avg" divides by it (none = shard x replicate size).
+  ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_group,
+             ProcessGroupPtr replicate_group, std::optional<double> divide_factor, bool fused);
+  ParamGroup(ParamGroup&&) noexcept;
+  ParamGroup& operator=(ParamGroup&&) noexcept;
+  ~ParamGroup();
+
+  std::vector<ShardedParam>& params() { return params_; }
+  const std::vector<ShardedParam>& params() const { return params_; }
+  const ProcessGroupPtr& shard_group() const { return shard_group_; }
+  const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
+  void set_divide_factor(std::optional<double> f) { divide_factor_ = f; }
+  // Whether any parameter requires a gradient (the group reduces at all).
+  bool reduces() const;
+
+  // ---- unshard ----
+  // Issues the all-gathers (async); no-op if unsharded or already issued.
+  void issue_unshard();
+  // Waits for issued all-gathers (issuing them first if needed) and points
+  // every parameter at its full tensor.
+  void finish_unshard();
+  bool unsharded() const { return unsharded_; }
+  // Points every parameter at its shard and frees the full buffers (waits
+  // for an all-gather in flight first: its buffers must not be freed).
+  void reshard();
+
+  // ---- gradients ----
+  // Builds the reduction input from this pass's (and earlier unsynchronised
+  // passes') gradients, zeros standing in for missing ones, and a presence
+  // flag per parameter riding in the same buffer: after the reduction it
+  // says whether any rank had a gradient. Drops the pass gradients.
+  void prepare_reduce(const ReduceSettings& settings);
+  bool reduce_prepared() const { return stage_ == Stage::Prepared; }
+  // Issues the prepared reduce-scatter (and the all-reduce over the shard
+  // group of Replicate parameters).
+  void issue_reduce();
+  // HSDP: the all-reduces over the replicate groups are issued as soon as
+  // their reduce-scatters have finished, so they overlap the rest of
+  // backward -- but strictly in the order the reduce-scatters were issued
+  // (one process-wide queue: a communicator's collectives must come in one
+  // order on every rank, whatever the timing). Issues those now due.
+  static void poll_all_reduces();
+  bool reduce_pending() const { return stage_ != Stage::None; }
+  // Waits for the reduction and adds the results to the sharded gradients
+  // (only where some rank had a gradient).
+  void finish_reduce();
+  // A failed pass: waits for what is in flight and drops it.
+  void drop_reduce();
+  // Forgets sums kept back by steps that skipped the HSDP all-reduce (their
+  // gradients were dropped by zero_grad).
+  void clear_partial_sums();
+
+ private:
+  enum class Stage { None, Prepared, Scattering, AllReducing };
+  struct Entry;
+  bool hsdp() const { return replicate_group_ && replicate_group_->size() > 1; }
+  void wait_all(std::vector<WorkPtr>& works, const char* what);
+  // Issues the replicate all-reduce if the reduce-scatter finished (or
+  // after waiting for it, `wait`); returns whether it is issued or needs none.
+  bool issue_all_reduce(bool wait);
+  // Issues, in queue order, every queued all-reduce up to this group's.
+  void flush_all_reduces_through();
+  void leave_all_reduce_queue();
+  void install();
+
+  std::vector<ShardedParam> params_;
+  ProcessGroupPtr shard_group_;
+  ProcessGroupPtr replicate_group_;
+  // The reductions' own groups over the same ranks (reduction_group_for).
+  ProcessGroupPtr scatter_group_;
+  ProcessGroupPtr all_reduce_group_;
+  std::optional<double> divide_factor_;
+  bool fused_;
+  bool unsharded_ = false;
+  bool gather_issued_ = false;
+  std::vector<WorkPtr> gather_works_;
+  at::Tensor fused_gather_out_;  // [shard_size * total]
+  std::vector<int64_t> fused_offsets_;  // per parameter, within one rank's block
+  int64_t fused_block_numel_ = 0;
+
+  Stage stage_ = Stage::None;
+  ReduceSettings settings_;
+  std::vector<Entry> entries_;              // per reduced parameter
+  std::vector<at::Tensor> scatter_inputs_;  // kept alive until the collective ran
+  std::vector<at::Tensor> all_reduce_bufs_;  // what the replicate all-reduce covers
+  std::vector<WorkPtr> scatter_works_;
+  std::vector<WorkPtr> all_reduce_works_;
+  // HSDP with the all-reduce skipped: per-parameter sum of the shard-group
+  // reductions not yet all-reduced (gradient, presence), and the sharded grad
+  // they started from.
+  std::vector<at::Tensor> partial_sums_;
+  std::vector<double> partial_presence_;
+  std::vector<at::Tensor> base_grads_;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,131 @@
+// Internal: the state of one sharded unit, and the step context of the root
+// it belongs to (forward order, pass phase, end-of-backward finalisation).
+#pragma once
+
+#include "fsdp/options.h"
+#include "sharding/lifecycle.h"
+#include "sharding/param_group.h"
+#include "sharding/query.h"
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+
+// One root's step: which pass is running, the order its units ran forward
+// in, and how far its reductions have been issued. Every unit under the
+// root shares it; another root (a second model, or a second pipeline stage
+// on this rank) has its own, so their steps cannot disturb each other.
+struct RootContext {
+  enum class Phase { Idle, Forward, ForwardDone, Backward };
+  Phase phase = Phase::Idle;
+  // Units in the order of their first forward this pass, then units first
+  // seen in backward.
+  std::vector<std::weak_ptr<UnitState>> order;
+  // Reductions are issued strictly in reverse forward order, so every rank
+  // issues them in one order whatever gradients it received: the next unit
+  // (counted from the end of `order`) whose reduction is to be issued.
+  size_t reduce_cursor = 0;
+  // Units whose reductions were issued and are not yet finished, in issue
+  // order (reductions left in flight by set_is_last_backward(false)).
+  std::vector<std::weak_ptr<UnitState>> in_flight;
+  bool callback_queued = false;
+};
+
+}  // namespace detail
+
+struct UnitState : std::enable_shared_from_this<UnitState> {
+  UnitState(int64_t id, std::vector<std::shared_ptr<torch::nn::Module>> modules, DeviceMesh mesh,
+            std::vector<detail::ParamGroup> groups, const FullyShardOptions& options);
+
+  const int64_t id;
+  std::vector<std::weak_ptr<torch::nn::Module>> modules;
+  std::vector<const torch::nn::Module*> module_ptrs;
+  DeviceMesh mesh;
+  std::vector<detail::ParamGroup> groups;
+  // (group, index) of every parameter in module order.
+  std::vector<std::pair<size_t, size_t>> param_order;
+  MixedPrecisionPolicy mp;
+
+  // Settings (FSDPModule setters).
+  bool reshard_after_forward;
+  bool reshard_after_backward = true;
+  bool requires_gradient_sync = true;
+  bool requires_all_reduce = true;
+  bool is_last_backward = true;
+  bool average = true;
+  std::optional<double> scaling_factor;
+  std::vector<std::weak_ptr<UnitState>> forward_prefetch;
+  std::vector<std::weak_ptr<UnitState>> backward_prefetch;
+  bool explicit_backward_prefetch = false;
+
+  // Per pass.
+  detail::UnitLifecycle lifecycle;
+  int64_t forward_entries = 0;
+  bool in_order = false;             // listed in the root context's order
+  std::vector<std::vector<bool>> arrived;  // [group][param]: gradient arrived
+  int64_t grads_ready = 0;
+  int64_t grads_expected = 0;
+  bool reduce_prepared = false;
+
+  bool alive() const;
+  // Whether `other`'s modules lie inside this unit's modules.
+  bool contains(const UnitState& other) const;
+  // Units nested in this one (itself included), for recurse=true setters.
+  std::vector<std::shared_ptr<UnitState>> self_and_nested();
+  // "block0", "head.0+head.1" (paths inside the root, or the module type):
+  // for traces. Cached per unit set.
+  std::string label();
+  // label() and the unit id, "block0 #2": for error messages.
+  std::string error_label();
+  // The step context of this unit's root (cached per unit set).
+  detail::RootContext& context();
+  std::shared_ptr<UnitState> root();
+  bool is_root();
+  bool unsharded() const;
+
+  void unshard(bool async_op);
+  void wait_unshard();
+  void reshard();
+
+  void pre_forward();
+  at::Tensor cast_input(const at::Tensor& t) const;
+  at::Tensor finish_output(const at::Tensor& t);
+  void post_forward();
+  void pre_backward();
+  void on_grad_ready(size_t group, size_t index);
+  void post_backward();
+  // Whether this unit reduces gradients in a synchronised backward (a
+  // setting, the same on every rank, never a property of the data).
+  bool reduces() const;
+  detail::ReduceSettings reduce_settings() const;
+  void finish_reductions();
+
+ private:
+  std::shared_ptr<detail::RootContext> own_context_;  // when this unit is a root
+  std::weak_ptr<detail::RootContext> context_;
+  uint64_t context_generation_ = ~uint64_t{0};
+  std::string label_;
+  uint64_t label_generation_ = ~uint64_t{0};
+  std::weak_ptr<UnitState> root_;
+};
+
+namespace detail {
+
+std::shared_ptr<UnitState> unit_for_module(const torch::nn::Module& module);
+std::vector<std::shared_ptr<UnitState>> live_units();
+void register_unit(const std::shared_ptr<UnitState>& unit);
+// Parameters (by TensorImpl) already managed by a live unit.
+bool is_managed(const at::Tensor& param);
+int64_t next_unit_id();
+// Re-routes entries of torch::nn::Sequential containers inside `module`
+// whose modules are sharded units through those units.
+void intercept_sequential_children(torch::nn::Module& module);
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,498 @@
+// The FSDP core on per-parameter layouts: layouts on meshes of 1, 2 and 3
+// dims (DTensor parameters sharded by TP included) round-trip bitwise;
+// several parameter groups in one unit train like a single card with the
+// exact collectives per group; unit lifecycles reject illegal transitions
+// and the step after one recovers; reshard returns device memory.
+#include "l1_util.h"
+#include "spmd.h"
+#include "toy_models.h"
+
+#include "sharding/lifecycle.h"
+
+#include <fsdp/comm.h>
+#include <fsdp/dtensor.h>
+#include <fsdp/errors.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/mesh.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#ifdef FSDP_WITH_NCCL
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+at::Tensor host(const at::Tensor& t) { return t.detach().to(at::kCPU); }
+
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         at::equal(host(a), host(b));
+}
+
+// Rows [e.offset, e.offset + e.length) of `t` along `dim`, the ceil-div way
+// (an independent computation of what a rank must own).
+at::Tensor rows(const at::Tensor& t, int64_t dim, int64_t parts, int64_t index) {
+  const int64_t n = t.size(dim);
+  const int64_t c = (n + parts - 1) / parts;
+  const int64_t begin = std::min(index * c, n);
+  const int64_t end = std::min((index + 1) * c, n);
+  return t.narrow(dim, begin, end - begin);
+}
+
+// A module with parameters of awkward shapes, and (for TP) two parameters
+// that are pieces of global tensors sharded over the tp dim.
+struct LayoutsImpl : torch::nn::Module {
+  LayoutsImpl(const std::map<std::string, at::Tensor>& init) {
+    for (const auto& [name, t] : init) params[name] = register_parameter(name, t.clone());
+  }
+  std::map<std::string, at::Tensor> params;
+};
+TORCH_MODULE(Layouts);
+
+struct MeshCase {
+  std::string label;
+  std::vector<int64_t> shape;
+  std::vector<std::string> names;
+};
+
+}  // namespace
+
+// Shard -> all-gather -> full tensor equals the original bitwise, on meshes of
+// 1, 2 and 3 dims, for Shard(0) (uneven: 7 rows; fewer rows than ranks: 3),
+// Shard(1), Replicate, and TP DTensor parameters (colwise Shard(0): FSDP inside
+// the TP shard of the same dim, a strided shard; rowwise Shard(1)).
+BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
+  const int ws = spmd::world_size();
+  const int64_t tp = ws >= 4 ? 2 : 1;
+  const std::vector<MeshCase> meshes = {
+      {"1-D", {ws}, {"shard"}},
+      {"2-D HSDP", {ws >= 4 ? 2 : 1, ws >= 4 ? ws / 2 : ws}, {"replicate", "shard"}},
+      {"3-D (replicate, shard, tp)", {1, ws / tp, tp}, {"replicate", "shard", "tp"}},
+  };
+  at::manual_seed(11);
+  const std::map<std::string, at::Tensor> plain = {
+      {"a_7rows", at::randn({7, 4})},   {"b_3rows", at::randn({3, 5})},
+      {"c_dim1", at::randn({3, 4})},    {"d_bias", at::randn({5})},
+      {"e_replicated", at::randn({2, 3})}};
+  const at::Tensor col_global = at::randn({8, 4});  // colwise: Shard(0) on tp
+  const at::Tensor row_global = at::randn({4, 8});  // rowwise: Shard(1) on tp
+  for (const auto& mc : meshes) {
+    BOOST_TEST_CONTEXT("mesh " << mc.label) {
+      const auto mesh = fsdp::init_device_mesh(spmd::device().type(), mc.shape, mc.names);
+      const bool with_tp = mc.names.size() == 3;
+      std::map<std::string, at::Tensor> init = plain;
+      int64_t tp_rank = 0;
+      if (with_tp) {
+        tp_rank = mesh.get_local_rank("tp");
+        init["f_colwise"] = rows(col_global, 0, tp, tp_rank);
+        init["g_rowwise"] = rows(row_global, 1, tp, tp_rank);
+      }
+      for (auto& [name, t] : init) t = t.to(spmd::device());
+      Layouts m(init);
+      fsdp::FullyShardOptions o;
+      o.mesh = mesh;
+      o.replicate_params = {m->params.at("e_replicated")};
+      o.shard_placement_fn = [](const std::string& name,
+                                const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
+        if (name == "c_dim1") return fsdp::ShardPlacementResult(fsdp::Placement::Shard(1));
+        return std::nullopt;
+      };
+      if (with_tp) {
+        const auto tp_mesh = mesh["tp"];
+        o.dtensor_params = {
+            fsdp::DTensor::from_local(m->params.at("f_colwise"), tp_mesh,
+                                      {fsdp::Placement::Shard(0)}, col_global.sizes().vec()),
+            fsdp::DTensor::from_local(m->params.at("g_rowwise"), tp_mesh,
+                                      {fsdp::Placement::Shard(1)}, row_global.sizes().vec())};
+      }
+      fsdp::FSDPModule unit = fsdp::fully_shard(m.ptr(), o);
+
+      const int64_t shards = mesh.size("shard");
+      const int64_t s = mesh.get_local_rank("shard");
+      std::map<std::string, at::Tensor> global = plain;
+      if (with_tp) {
+        global["f_colwise"] = col_global;
+        global["g_rowwise"] = row_global;
+      }
+      // What this rank must own, computed here from the layout rules.
+      std::map<std::string, at::Tensor> want = {
+          {"a_7rows", rows(plain.at("a_7rows"), 0, shards, s)},
+          {"b_3rows", rows(plain.at("b_3rows"), 0, shards, s)},
+          {"c_dim1", rows(plain.at("c_dim1"), 1, shards, s)},
+          {"d_bias", rows(plain.at("d_bias"), 0, shards, s)},
+          {"e_replicated", plain.at("e_replicated")}};
+      if (with_tp) {
+        // TP first, then FSDP inside the TP piece (both along dim 0).
+        want["f_colwise"] = rows(rows(col_global, 0, tp, tp_rank), 0, shards, s);
+        want["g_rowwise"] = rows(rows(row_global, 1, tp, tp_rank), 0, shards, s);
+      }
+      for (const auto& [name, t] : want) {
+        BOOST_TEST(bitwise_equal(m->params.at(name), t), name << ": local shard differs");
+      }
+      // The DTensor view and the full tensor.
+      std::map<std::string, fsdp::DTensor> dts;
+      for (auto& [name, dt] : unit.sharded_parameters()) dts.emplace(name, dt);
+      BOOST_TEST(dts.size() == global.size());
+      for (const auto& [name, full] : unit.full_state_dict()) {
+        BOOST_TEST(bitwise_equal(full, global.at(name)), name << ": full tensor differs");
+      }
+      if (with_tp) {
+        const auto& col = dts.at("f_colwise").placements();
+        BOOST_TEST(col.size() == 3u);
+        BOOST_TEST(col[0].is_replicate());
+        if (tp > 1) {
+          BOOST_TEST((col[1].is_strided_shard() && col[1].dim() == 0 && col[1].split_factor() == tp),
+                     "colwise FSDP placement is " << col[1].to_string());
+        } else {
+          BOOST_TEST((col[1].is_shard(0) && !col[1].is_strided_shard()), col[1].to_string());
+        }
+        BOOST_TEST(col[2].is_shard(0));
+        const auto& row = dts.at("g_rowwise").placements();
+        BOOST_TEST((row[1].is_shard(0) && !row[1].is_strided_shard()), row[1].to_string());
+        BOOST_TEST(row[2].is_shard(1));
+        BOOST_TEST(dts.at("a_7rows").placements()[2].is_replicate());
+      }
+    }
+  }
+}
+
+namespace {
+
+// One block with dense weights (sharded on the whole world) and "expert"
+// weights (sharded on a 2-rank sub-mesh, replicated over the other dim).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    dense = register_module("dense", torch::nn::Linear(6, 8));
+    expert_up = register_module("expert_up", torch::nn::Linear(8, 8));
+    expert_down = register_module("expert_down", torch::nn::Linear(8, 6));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = at::tanh(dense(x));
+    return expert_down(at::tanh(expert_up(x)));
+  }
+  torch::nn::Linear dense{nullptr}, expert_up{nullptr}, expert_down{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int64_t seed) {
+    at::manual_seed(seed);
+    block = register_module("block", Block());
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(at::Tensor x) { return head(block(x)); }
+  fsdp::Sharded<Block> block{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Net);
+
+double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
+                       const std::map<std::string, std::pair<int64_t, int64_t>>& split,
+                       bool grads, double ref_scale = 1.0) {
+  double worst = 0;
+  auto ref_params = ref.named_parameters();
+  for (const auto& item : model.named_parameters()) {
+    const at::Tensor& r = ref_params[item.key()];
+    const auto [parts, index] = split.at(item.key());
+    const at::Tensor want = rows(host(grads ? r.grad() : r), 0, parts, index) * ref_scale;
+    const at::Tensor got = grads ? item.value().grad() : item.value();
+    const double e = l1::diff(got, want);
+    if (!(e <= worst)) worst = e;
+  }
+  return worst;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  if (ws != 4) SPMD_SKIP("needs 4 ranks: dense on the 4-rank mesh, experts on 2-rank sub-meshes");
+  const auto dev = spmd::device().type();
+  const auto world = fsdp::init_device_mesh(dev, {4}, {"dp"});
+  // The same ranks as (ep, efsdp): experts are sharded over efsdp (2 ranks)
+  // and replicated over ep, so their gradients are reduce-scattered on the
+  // sub-mesh, then all-reduced over ep (HSDP on the sparse view).
+  const auto sparse = fsdp::init_device_mesh(dev, {2, 2}, {"ep", "efsdp"});
+  const std::string world_g = world.get_group("dp")->name();
+  const std::string efsdp_g = sparse.get_group("efsdp")->name();
+  const std::string ep_g = sparse.get_group("ep")->name();
+  const double tol = 1e-5;
+  for (const bool fused : {false, true}) {
+    BOOST_TEST_CONTEXT("comm_fusion " << fused) {
+      Net ref(5);
+      Net net(5);
+      ref->to(spmd::device());
+      net->to(spmd::device());
+      fsdp::FullyShardOptions block_opts;
+      block_opts.mesh = world;
+      block_opts.comm_fusion = fused;
+      block_opts.shard_placement_fn =
+          [sparse](const std::string& name,
+                   const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
+        if (name.rfind("expert", 0) == 0) {
+          return fsdp::ShardPlacementResult(fsdp::Placement::Shard(0), sparse);
+        }
+        return std::nullopt;
+      };
+      fsdp::fully_shard(net->block, block_opts);
+      fsdp::FullyShardOptions root_opts;
+      root_opts.mesh = world;
+      root_opts.comm_fusion = fused;
+      root_opts.reshard_after_forward = false;
+      auto model = fsdp::fully_shard(net, root_opts);
+
+      std::map<std::string, std::pair<int64_t, int64_t>> split;
+      for (const auto& item : net->named_parameters()) {
+        const bool expert = item.key().find("expert") != std::string::npos;
+        split[item.key()] = expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
+                                   : std::make_pair<int64_t, int64_t>(4, rank);
+      }
+      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+      l1::Report report(std::string("core several groups") + (fused ? " fused" : ""));
+      for (int step = 0; step < 2; ++step) {
+        const auto batch = toy::global_batch(40 + step, 8, 6, 3);
+        const auto mine = toy::slice(batch, rank, ws);
+        fsdp::reset_collective_counters();
+        toy::mse(model(mine.x.to(spmd::device())), mine.y.to(spmd::device())).backward();
+        const auto c = fsdp::collective_counters();
+        auto count = [&c](const char* op, const std::string& g) {
+          auto it = c.count.find({op, g});
+          return it == c.count.end() ? int64_t{0} : it->second;
+        };
+        // Per step: block (resharded after forward: gathered in forward and
+        // backward) dense 2 params, experts 4 params; root (kept) 2 params.
+        const int64_t ag_world = fused ? 2 + 1 : 2 * 2 + 2;
+        const int64_t ag_expert = fused ? 2 : 2 * 4;
+        const int64_t rs_world = fused ? 1 + 1 : 2 + 2;
+        const int64_t rs_expert = fused ? 1 : 4;
+        BOOST_TEST(count("all_gather", world_g) == ag_world);
+        BOOST_TEST(count("all_gather", efsdp_g) == ag_expert);
+        BOOST_TEST(count("reduce_scatter", world_g) == rs_world);
+        BOOST_TEST(count("reduce_scatter", efsdp_g) == rs_expert);
+        BOOST_TEST(count("all_reduce", ep_g) == rs_expert);
+        BOOST_TEST(count("all_reduce", world_g) == 0);
+
+        ref_opt.zero_grad();
+        toy::mse(ref(batch.x.to(spmd::device())), batch.y.to(spmd::device())).backward();
+        report.check("step " + std::to_string(step) + " grads vs single card",
+                     worst_shard_err(*net, *ref, split, true), tol);
+        opt.step();
+        ref_opt.step();
+        opt.zero_grad();
+        report.check("step " + std::to_string(step) + " params vs single card",
+                     worst_shard_err(*net, *ref, split, false), tol);
+      }
+      report.publish();
+    }
+  }
+}
+
+// gradient_divide_factor: the expert group divides by 8 instead of its
+// mesh's 4 ranks, so its gradients are half the single-card mean.
+BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  if (ws != 4) SPMD_SKIP("needs 4 ranks (2-rank expert sub-meshes)");
+  const auto dev = spmd::device().type();
+  const auto world = fsdp::init_device_mesh(dev, {4}, {"dp"});
+  const auto sparse = fsdp::init_device_mesh(dev, {2, 2}, {"ep", "efsdp"});
+  Net ref(6);
+  Net net(6);
+  ref->to(spmd::device());
+  net->to(spmd::device());
+  fsdp::FullyShardOptions o;
+  o.mesh = world;
+  o.shard_placement_fn = [sparse](const std::string& name,
+                                  const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
+    if (name.rfind("expert", 0) == 0) {
+      return fsdp::ShardPlacementResult(fsdp::Placement::Shard(0), sparse, 8.0);
+    }
+    return std::nullopt;
+  };
+  fsdp::fully_shard(net->block, o);
+  fsdp::FullyShardOptions root_opts;
+  root_opts.mesh = world;
+  auto model = fsdp::fully_shard(net, root_opts);
+  const auto batch = toy::global_batch(60, 8, 6, 3);
+  const auto mine = toy::slice(batch, rank, ws);
+  toy::mse(model(mine.x.to(spmd::device())), mine.y.to(spmd::device())).backward();
+  toy::mse(ref(batch.x.to(spmd::device())), batch.y.to(spmd::device())).backward();
+  double dense_err = 0, expert_err = 0;
+  auto ref_params = ref->named_parameters();
+  for (const auto& item : net->named_parameters()) {
+    const bool expert = item.key().find("expert") != std::string::npos;
+    const at::Tensor want =
+        expert ? rows(host(ref_params[item.key()].grad()), 0, 2, sparse.get_local_rank("efsdp")) * 0.5
+               : rows(host(ref_params[item.key()].grad()), 0, 4, rank);
+    (expert ? expert_err : dense_err) =
+        std::max(expert ? expert_err : dense_err, l1::diff(item.value().grad(), want));
+  }
+  l1::Report report("core divide factor");
+  report.check("dense grads (factor 4) vs single card", dense_err, 1e-5);
+  report.check("expert grads (factor 8) vs half the single card", expert_err, 1e-5);
+  report.publish();
+}
+
+// The transition table of a unit's lifecycle, edge by edge.
+BOOST_AUTO_TEST_CASE(test_lifecycle_transitions) {
+  using L = fsdp::detail::Lifecycle;
+  const std::vector<L> all = {L::Idle, L::Forward, L::PreBackward, L::PostBackward};
+  const std::set<std::pair<L, L>> legal = {
+      {L::Idle, L::Forward},         {L::PreBackward, L::Forward},  {L::Idle, L::PreBackward},
+      {L::PreBackward, L::PreBackward}, {L::PreBackward, L::PostBackward},
+      {L::Forward, L::Idle},         {L::PostBackward, L::Idle},    {L::Idle, L::Idle}};
+  for (L from : all) {
+    for (L to : all) {
+      fsdp::detail::UnitLifecycle lc;
+      // Walk to `from` through legal edges.
+      if (from == L::Forward) lc.transition(L::Forward, "u", "test");
+      if (from == L::PreBackward) lc.transition(L::PreBackward, "u", "test");
+      if (from == L::PostBackward) {
+        lc.transition(L::PreBackward, "u", "test");
+        lc.transition(L::PostBackward, "u", "test");
+      }
+      const bool ok = legal.count({from, to}) > 0;
+      if (ok) {
+        BOOST_CHECK_NO_THROW(lc.transition(to, "u", "test"));
+      } else {
+        try {
+          lc.transition(to, "block #3", "test");
+          BOOST_ERROR(fsdp::detail::to_string(from) << " -> " << fsdp::detail::to_string(to)
+                                                    << " did not throw");
+        } catch (const fsdp::StateError& e) {
+          const std::string msg = e.what();
+          const std::string edge = std::string(fsdp::detail::to_string(from)) + " -> " +
+                                   fsdp::detail::to_string(to);
+          BOOST_TEST(msg.find("block #3") != std::string::npos, msg);
+          BOOST_TEST(msg.find(edge) != std::string::npos, msg);
+        }
+      }
+    }
+  }
+  // Forward returns to where it came from.
+  fsdp::detail::UnitLifecycle lc;
+  lc.transition(L::PreBackward, "u", "test");
+  lc.enter_forward("u");
+  lc.leave_forward("u");
+  BOOST_TEST((lc.state() == L::PreBackward));
+  BOOST_CHECK_THROW(lc.leave_forward("u"), fsdp::StateError);
+}
+
+namespace {
+
+// Identity; in backward it runs a forward of `target` (by then a unit that
+// has reduced in this backward): an illegal PostBackward -> Forward.
+struct ReenterForward : public torch::autograd::Function<ReenterForward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* c, const at::Tensor& x,
+                            int64_t which) {
+    c->saved_data["which"] = which;
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* c,
+                                                 torch::autograd::variable_list grads);
+};
+
+struct TwoUnitsImpl : torch::nn::Module {
+  explicit TwoUnitsImpl(int64_t seed) {
+    at::manual_seed(seed);
+    a = register_module("a", torch::nn::Linear(15, 7));
+    b = register_module("b", torch::nn::Linear(7, 5));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = at::tanh(a(x));
+    if (probe) h = ReenterForward::apply(h, 0);
+    return b(h);
+  }
+  fsdp::Sharded<torch::nn::Linear> a{nullptr}, b{nullptr};
+  bool probe = false;
+};
+TORCH_MODULE(TwoUnits);
+
+TwoUnitsImpl* probe_target = nullptr;
+
+torch::autograd::variable_list ReenterForward::backward(torch::autograd::AutogradContext*,
+                                                        torch::autograd::variable_list grads) {
+  // b's gradients are all in (it is downstream of the probe): b has reduced.
+  (void)probe_target->b(at::zeros({1, 7}, grads[0].options()));
+  return {grads[0], at::Tensor()};
+}
+
+}  // namespace
+
+// A forward of a unit that already reduced in this backward is a StateError
+// naming the unit and both states; the user catches it and the next step
+// equals a single-card step from the same parameters.
+BOOST_AUTO_TEST_CASE(test_illegal_transition_raises_and_next_step_recovers) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  TwoUnits ref(3);
+  TwoUnits model(3);
+  ref->to(spmd::device());
+  model->to(spmd::device());
+  fsdp::fully_shard(model->a);
+  fsdp::fully_shard(model->b);
+  auto root = fsdp::fully_shard(model);
+  probe_target = model.get();
+  const auto batch = toy::global_batch(70, 8);
+  const auto mine = toy::slice(batch, rank, ws);
+  const at::Tensor x = mine.x.to(spmd::device());
+  const at::Tensor y = mine.y.to(spmd::device());
+  std::string msg;
+  bool typed = false;
+  model->probe = true;
+  try {
+    toy::mse(root(x), y).backward();
+  } catch (const fsdp::StateError& e) {
+    msg = e.what();
+    typed = true;
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  model->probe = false;
+  BOOST_TEST(typed, "not a StateError: '" << msg << "'");
+  BOOST_TEST(msg.find("illegal transition PostBackward -> Forward") != std::string::npos,
+             "message: '" << msg << "'");
+  BOOST_TEST(msg.find("unit b #") != std::string::npos, "names the unit: " << msg);
+  // The failed step installed nothing; the next one equals a single-card step.
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  toy::mse(root(x), y).backward();
+  toy::mse(ref(batch.x.to(spmd::device())), batch.y.to(spmd::device())).backward();
+  l1::Report report("core illegal transition");
+  report.check("next step grads vs single card", l1::grad_err(*model, *ref, ws, rank), 1e-5);
+  report.publish();
+  probe_target = nullptr;
+}
+
+// Reshard returns the unsharded parameters' device memory (CUDA: the
+// caching allocator's allocated bytes fall back to the level before the
+// gather). The CPU form is test_fully_shard_with_ac's tracking allocator.
+BOOST_AUTO_TEST_CASE(test_reshard_frees_device_memory) {
+  if (!spmd::device().is_cuda()) {
+    SPMD_SKIP("CPU run: the CUDA caching allocator form runs under the gpu labels");
+  }
+#ifdef FSDP_WITH_NCCL
+  const auto dev = spmd::device();
+  auto allocated = [&dev] {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index()).allocated_bytes[0].current;
+  };
+  torch::nn::Linear big(torch::nn::LinearOptions(1024, 1024).bias(false));
+  big->to(dev);
+  auto unit = fsdp::fully_shard(big.ptr());
+  const int64_t sharded = allocated();
+  unit.unshard();
+  const int64_t full = allocated();
+  unit.reshard();
+  const int64_t after = allocated();
+  BOOST_TEST(full - sharded >= int64_t{1024} * 1024 * 4, "unshard allocated " << full - sharded);
+  BOOST_TEST(after == sharded, "after reshard " << after << " B, sharded " << sharded << " B");
+#else
+  BOOST_ERROR("a CUDA device without the NCCL backend built");
+#endif
+}
