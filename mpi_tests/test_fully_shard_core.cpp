@@ -9,6 +9,7 @@
 
 #include "sharding/lifecycle.h"
 
+#include <fsdp/clip_grad.h>
 #include <fsdp/comm.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/errors.h>
@@ -160,6 +161,60 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
         BOOST_TEST(row[2].is_shard(1));
         BOOST_TEST(dts.at("a_7rows").placements()[2].is_replicate());
       }
+    }
+  }
+}
+
+// The global gradient norm counts every element of every global gradient
+// once: shards are summed over FSDP's shard dim and the TP dim, replicas
+// (HSDP replicate dim, TP-replicated parameters, Replicate placements) once.
+BOOST_AUTO_TEST_CASE(test_grad_norm_over_fsdp_and_tp_dims) {
+  const int ws = spmd::world_size();
+  std::vector<MeshCase> meshes = {{"(replicate, shard, tp) = (1, N/2, 2)", {1, ws / 2, 2},
+                                   {"replicate", "shard", "tp"}}};
+  if (ws == 4) meshes.push_back({"(2, 1, 2)", {2, 1, 2}, {"replicate", "shard", "tp"}});
+  at::manual_seed(21);
+  const std::map<std::string, at::Tensor> plain = {{"a_7rows", at::randn({7, 4})},
+                                                   {"e_replicated", at::randn({2, 3})}};
+  const at::Tensor col_global = at::randn({8, 4});
+  const at::Tensor row_global = at::randn({4, 8});
+  for (const auto& mc : meshes) {
+    BOOST_TEST_CONTEXT("mesh " << mc.label) {
+      const auto mesh = fsdp::init_device_mesh(spmd::device().type(), mc.shape, mc.names);
+      const int64_t tp = mesh.size("tp"), j = mesh.get_local_rank("tp");
+      std::map<std::string, at::Tensor> init = plain;
+      init["f_colwise"] = rows(col_global, 0, tp, j);
+      init["g_rowwise"] = rows(row_global, 1, tp, j);
+      for (auto& [name, t] : init) t = t.to(spmd::device());
+      Layouts m(init);
+      fsdp::FullyShardOptions o;
+      o.mesh = mesh;
+      o.replicate_params = {m->params.at("e_replicated")};
+      o.dtensor_params = {
+          fsdp::DTensor::from_local(m->params.at("f_colwise"), mesh["tp"],
+                                    {fsdp::Placement::Shard(0)}, col_global.sizes().vec()),
+          fsdp::DTensor::from_local(m->params.at("g_rowwise"), mesh["tp"],
+                                    {fsdp::Placement::Shard(1)}, row_global.sizes().vec())};
+      fsdp::FSDPModule unit = fsdp::fully_shard(m.ptr(), o);
+      // Global gradients (the same on every rank); each rank gets its piece.
+      at::manual_seed(22);
+      double sum_sq = 0, max_abs = 0;
+      for (auto& [name, dt] : unit.sharded_parameters()) {
+        const at::Tensor g = at::randn(dt.shape(), at::kDouble).to(at::kFloat);
+        sum_sq += g.to(at::kDouble).pow(2).sum().item<double>();
+        max_abs = std::max(max_abs, g.abs().max().item<double>());
+        const at::Tensor local =
+            fsdp::distribute_tensor(g.to(spmd::device()), dt.device_mesh(), dt.placements())
+                .to_local();
+        m->params.at(name).mutable_grad() = local.clone();
+      }
+      const double norm2 = fsdp::total_grad_norm({unit}, {}, 2.0);
+      const double norm_inf = fsdp::total_grad_norm({unit}, {}, l1::kInf);
+      l1::Report report("core grad norm " + mc.label);
+      report.check("2-norm vs the global gradients' (relative)",
+                   std::abs(norm2 - std::sqrt(sum_sq)) / std::sqrt(sum_sq), 1e-6);
+      report.check("inf-norm vs the global gradients'", std::abs(norm_inf - max_abs), 0.0);
+      report.publish();
     }
   }
 }

@@ -99,7 +99,10 @@ ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group) {
   // Every member reaches this point for the same group in the same order
   // (fully_shard is SPMD), and no member has it cached unless all have.
   MPI_Comm comm = impl->duplicate_communicator();
-  auto dup = std::make_shared<ProcessGroupImpl>(comm, group->world_ranks(), group->name());
+  // Its thread waits by polling: a second comm thread spinning inside MPI
+  // beside the all-gathers' would take the compute threads' cores.
+  auto dup = std::make_shared<ProcessGroupImpl>(comm, group->world_ranks(), group->name(),
+                                                /*poll=*/true);
   std::lock_guard<std::mutex> lock(r.mu);
   r.reduction_groups.emplace(group->world_ranks(), dup);
   return dup;

@@ -3,6 +3,9 @@
 #include "fsdp/errors.h"
 #include "comm/process_group.h"
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
 #include <climits>
 #include <mutex>
 #include <string>
@@ -23,6 +26,25 @@ std::vector<int> to_ints(const std::vector<int64_t>& v, const char* what) {
   std::vector<int> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = to_int(v[i], what);
   return out;
+}
+
+// Waits for a nonblocking collective without keeping a core busy: a short
+// spin on MPI_Test (fast collectives finish in it), then sleeps that double
+// from 8 us up to 128 us between tests. Each test also progresses the
+// collective (Open MPI's nonblocking collectives advance inside MPI calls).
+void wait_polling(MPI_Request& r, const char* what) {
+  int done = 0;
+  for (int spins = 0; spins < 64; ++spins) {
+    check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), what);
+    if (done) return;
+  }
+  std::chrono::microseconds nap(8);
+  for (;;) {
+    std::this_thread::sleep_for(nap);
+    check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), what);
+    if (done) return;
+    nap = std::min(nap * 2, std::chrono::microseconds(128));
+  }
 }
 
 // A started MPI point-to-point request; keeps its tensor alive until done.
@@ -72,8 +94,8 @@ class RequestWork final : public Work, public PendingWork {
 
 class MpiBackend final : public Backend {
  public:
-  MpiBackend(MPI_Comm comm, std::string group_name)
-      : comm_(comm), group_name_(std::move(group_name)) {
+  MpiBackend(MPI_Comm comm, std::string group_name, bool poll)
+      : comm_(comm), group_name_(std::move(group_name)), poll_(poll) {
     check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
   }
   ~MpiBackend() override {
@@ -85,8 +107,15 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const int count = to_int(in.numel(), "input");
     return submit("all_gather", in, async_op, [this, out, in, dt, count] {
-      check_mpi(MPI_Allgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_),
-                "MPI_Allgather");
+      if (!poll_) {
+        check_mpi(MPI_Allgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_),
+                  "MPI_Allgather");
+        return;
+      }
+      MPI_Request r = MPI_REQUEST_NULL;
+      check_mpi(MPI_Iallgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_, &r),
+                "MPI_Iallgather");
+      wait_polling(r, "MPI_Iallgather");
     });
   }
 
@@ -95,8 +124,16 @@ class MpiBackend final : public Backend {
     const MPI_Op mop = mpi_op(op, in.scalar_type());
     const int count = to_int(out.numel(), "output");
     return submit("reduce_scatter", in, async_op, [this, out, in, dt, mop, count, op] {
-      check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_),
-                "MPI_Reduce_scatter_block");
+      if (poll_) {
+        MPI_Request r = MPI_REQUEST_NULL;
+        check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_,
+                                            &r),
+                  "MPI_Ireduce_scatter_block");
+        wait_polling(r, "MPI_Ireduce_scatter_block");
+      } else {
+        check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_),
+                  "MPI_Reduce_scatter_block");
+      }
       if (op == ReduceOp::AVG) out.div_(size_);
     });
   }
@@ -106,7 +143,15 @@ class MpiBackend final : public Backend {
     const MPI_Op mop = mpi_op(op, t.scalar_type());
     const int count = to_int(t.numel(), "tensor");
     return submit("all_reduce", t, async_op, [this, t, dt, mop, count, op] {
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_), "MPI_Allreduce");
+      if (poll_) {
+        MPI_Request r = MPI_REQUEST_NULL;
+        check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_, &r),
+                  "MPI_Iallreduce");
+        wait_polling(r, "MPI_Iallreduce");
+      } else {
+        check_mpi(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_),
+                  "MPI_Allreduce");
+      }
       if (op == ReduceOp::AVG) t.div_(size_);
     });
   }
@@ -181,6 +226,9 @@ class MpiBackend final : public Backend {
 
   MPI_Comm comm_;
   std::string group_name_;
+  // Collectives wait by polling (wait_polling) instead of inside a blocking
+  // MPI call, which spins.
+  bool poll_;
   int size_ = 1;
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
@@ -188,8 +236,8 @@ class MpiBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name) {
-  return std::make_unique<MpiBackend>(comm, std::move(group_name));
+std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll) {
+  return std::make_unique<MpiBackend>(comm, std::move(group_name), poll);
 }
 
 }  // namespace fsdp::detail

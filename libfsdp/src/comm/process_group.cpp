@@ -139,14 +139,15 @@ void split_to_counts(const char* arg, const std::vector<int64_t>& split, int64_t
 
 }  // namespace
 
-ProcessGroupImpl::ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, std::string name)
+ProcessGroupImpl::ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, std::string name,
+                                   bool poll)
     : world_ranks_(std::move(world_ranks)), name_(std::move(name)) {
   check_mpi(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
   // A second communicator over the same ranks for bootstrapping other
   // transports, so their set-up never interleaves with queued MPI collectives.
   check_mpi(MPI_Comm_dup(comm, &bootstrap_), "MPI_Comm_dup");
-  mpi_ = make_mpi_backend(comm, name_);
+  mpi_ = make_mpi_backend(comm, name_, poll);
 }
 
 ProcessGroupImpl::~ProcessGroupImpl() { shutdown(); }

@@ -108,7 +108,9 @@ class Backend {
 };
 
 // MPI transport for CPU tensors over `comm` (owned: freed on destruction).
-std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name);
+// poll: collectives wait by testing a nonblocking request with short sleeps
+// rather than inside a blocking call (which spins on a core).
+std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll);
 // NCCL transport for CUDA tensors on `device`. Its communicators are created
 // on first use, bootstrapped over `bootstrap` (not owned): the group's by the
 // first collective, a pair's by its first send/recv, so constructing it does
@@ -118,7 +120,9 @@ std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device devic
 
 class ProcessGroupImpl final : public ProcessGroup {
  public:
-  ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, std::string name);
+  // poll: see make_mpi_backend.
+  ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, std::string name,
+                   bool poll = false);
   ~ProcessGroupImpl() override;
 
   int rank() const override { return rank_; }
