@@ -62,6 +62,7 @@ struct MeshCase {
   std::string label;
   std::vector<int64_t> shape;
   std::vector<std::string> names;
+  std::string shard = "shard";  // FSDP's shard dim (FullyShardOptions::shard_dim)
 };
 
 }  // namespace
@@ -77,6 +78,8 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       {"1-D", {ws}, {"shard"}},
       {"2-D HSDP", {ws >= 4 ? 2 : 1, ws >= 4 ? ws / 2 : ws}, {"replicate", "shard"}},
       {"3-D (replicate, shard, tp)", {1, ws / tp, tp}, {"replicate", "shard", "tp"}},
+      // pp is carried through like tp (parameters are replicated on it).
+      {"3-D (pp, dp, tp), shard_dim dp", {1, ws / tp, tp}, {"pp", "dp", "tp"}, "dp"},
   };
   at::manual_seed(11);
   const std::map<std::string, at::Tensor> plain = {
@@ -100,6 +103,7 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       Layouts m(init);
       fsdp::FullyShardOptions o;
       o.mesh = mesh;
+      if (mc.shard != "shard") o.shard_dim = mc.shard;
       o.replicate_params = {m->params.at("e_replicated")};
       o.shard_placement_fn = [](const std::string& name,
                                 const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
@@ -116,8 +120,8 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       }
       fsdp::FSDPModule unit = fsdp::fully_shard(m.ptr(), o);
 
-      const int64_t shards = mesh.size("shard");
-      const int64_t s = mesh.get_local_rank("shard");
+      const int64_t shards = mesh.size(mc.shard);
+      const int64_t s = mesh.get_local_rank(mc.shard);
       std::map<std::string, at::Tensor> global = plain;
       if (with_tp) {
         global["f_colwise"] = col_global;
@@ -265,6 +269,29 @@ double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
   return worst;
 }
 
+// The block's expert weights on `sparse` (HSDP over (ep, efsdp), optionally
+// with their own divide factor), its dense weights and the root (kept
+// unsharded between forward and backward) on `world`.
+fsdp::Sharded<Net> shard_expert_net(Net& net, const fsdp::DeviceMesh& world,
+                                    const fsdp::DeviceMesh& sparse, bool fused,
+                                    std::optional<double> expert_divide_factor) {
+  fsdp::FullyShardOptions block_opts;
+  block_opts.mesh = world;
+  block_opts.comm_fusion = fused;
+  block_opts.shard_placement_fn =
+      [sparse, expert_divide_factor](
+          const std::string& name, const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
+    if (name.rfind("expert", 0) != 0) return std::nullopt;
+    return fsdp::ShardPlacementResult(fsdp::Placement::Shard(0), sparse, expert_divide_factor);
+  };
+  fsdp::fully_shard(net->block, block_opts);
+  fsdp::FullyShardOptions root_opts;
+  root_opts.mesh = world;
+  root_opts.comm_fusion = fused;
+  root_opts.reshard_after_forward = false;
+  return fsdp::fully_shard(net, root_opts);
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
@@ -286,23 +313,7 @@ BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
       Net net(5);
       ref->to(spmd::device());
       net->to(spmd::device());
-      fsdp::FullyShardOptions block_opts;
-      block_opts.mesh = world;
-      block_opts.comm_fusion = fused;
-      block_opts.shard_placement_fn =
-          [sparse](const std::string& name,
-                   const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
-        if (name.rfind("expert", 0) == 0) {
-          return fsdp::ShardPlacementResult(fsdp::Placement::Shard(0), sparse);
-        }
-        return std::nullopt;
-      };
-      fsdp::fully_shard(net->block, block_opts);
-      fsdp::FullyShardOptions root_opts;
-      root_opts.mesh = world;
-      root_opts.comm_fusion = fused;
-      root_opts.reshard_after_forward = false;
-      auto model = fsdp::fully_shard(net, root_opts);
+      auto model = shard_expert_net(net, world, sparse, fused, std::nullopt);
 
       std::map<std::string, std::pair<int64_t, int64_t>> split;
       for (const auto& item : net->named_parameters()) {
@@ -363,19 +374,7 @@ BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
   Net net(6);
   ref->to(spmd::device());
   net->to(spmd::device());
-  fsdp::FullyShardOptions o;
-  o.mesh = world;
-  o.shard_placement_fn = [sparse](const std::string& name,
-                                  const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
-    if (name.rfind("expert", 0) == 0) {
-      return fsdp::ShardPlacementResult(fsdp::Placement::Shard(0), sparse, 8.0);
-    }
-    return std::nullopt;
-  };
-  fsdp::fully_shard(net->block, o);
-  fsdp::FullyShardOptions root_opts;
-  root_opts.mesh = world;
-  auto model = fsdp::fully_shard(net, root_opts);
+  auto model = shard_expert_net(net, world, sparse, /*fused=*/false, 8.0);
   const auto batch = toy::global_batch(60, 8, 6, 3);
   const auto mine = toy::slice(batch, rank, ws);
   toy::mse(model(mine.x.to(spmd::device())), mine.y.to(spmd::device())).backward();

@@ -495,21 +495,22 @@ void FSDPModule::set_reduce_op_type(const std::string& reduce_op) {
   for_units(unit(), true, [average](UnitState& u) { u.average = average; });
 }
 
-void FSDPModule::set_gradient_scaling_factor(std::optional<double> factor) {
+namespace {
+void check_factor(const char* fn, const std::optional<double>& factor) {
   if (factor && (!std::isfinite(*factor) || *factor <= 0)) {
-    throw ArgumentError("factor", "set_gradient_scaling_factor: 'factor' = " +
-                                      std::to_string(*factor) +
+    throw ArgumentError("factor", std::string(fn) + ": 'factor' = " + std::to_string(*factor) +
                                       "; accepted: a finite number > 0, or none");
   }
+}
+}  // namespace
+
+void FSDPModule::set_gradient_scaling_factor(std::optional<double> factor) {
+  check_factor("set_gradient_scaling_factor", factor);
   for_units(unit(), true, [factor](UnitState& u) { u.scaling_factor = factor; });
 }
 
 void FSDPModule::set_gradient_divide_factor(std::optional<double> factor) {
-  if (factor && (!std::isfinite(*factor) || *factor <= 0)) {
-    throw ArgumentError("factor", "set_gradient_divide_factor: 'factor' = " +
-                                      std::to_string(*factor) +
-                                      "; accepted: a finite number > 0, or none");
-  }
+  check_factor("set_gradient_divide_factor", factor);
   for_units(unit(), true, [factor](UnitState& u) {
     for (auto& g : u.groups) g.set_divide_factor(factor);
   });
