@@ -272,11 +272,14 @@ double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
 // The block's expert weights on `sparse` (HSDP over (ep, efsdp), optionally
 // with their own divide factor), its dense weights and the root (kept
 // unsharded between forward and backward) on `world`.
+// `shard_dim` names FSDP's dim of `world` (it need not exist in `sparse`).
 fsdp::Sharded<Net> shard_expert_net(Net& net, const fsdp::DeviceMesh& world,
                                     const fsdp::DeviceMesh& sparse, bool fused,
-                                    std::optional<double> expert_divide_factor) {
+                                    std::optional<double> expert_divide_factor,
+                                    std::optional<std::string> shard_dim = std::nullopt) {
   fsdp::FullyShardOptions block_opts;
   block_opts.mesh = world;
+  block_opts.shard_dim = shard_dim;
   block_opts.comm_fusion = fused;
   block_opts.shard_placement_fn =
       [sparse, expert_divide_factor](
@@ -287,6 +290,7 @@ fsdp::Sharded<Net> shard_expert_net(Net& net, const fsdp::DeviceMesh& world,
   fsdp::fully_shard(net->block, block_opts);
   fsdp::FullyShardOptions root_opts;
   root_opts.mesh = world;
+  root_opts.shard_dim = shard_dim;
   root_opts.comm_fusion = fused;
   root_opts.reshard_after_forward = false;
   return fsdp::fully_shard(net, root_opts);
@@ -363,18 +367,19 @@ BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
 }
 
 // gradient_divide_factor: the expert group divides by 8 instead of its
-// mesh's 4 ranks, so its gradients are half the single-card mean.
+// mesh's 4 ranks, so its gradients are half the single-card mean. The unit's
+// mesh names its shard dim, which the experts' mesh does not have.
 BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
   const int ws = spmd::world_size(), rank = spmd::rank();
   if (ws != 4) SPMD_SKIP("needs 4 ranks (2-rank expert sub-meshes)");
   const auto dev = spmd::device().type();
-  const auto world = fsdp::init_device_mesh(dev, {4}, {"dp"});
+  const auto world = fsdp::init_device_mesh(dev, {1, 4}, {"replicate", "shard"});
   const auto sparse = fsdp::init_device_mesh(dev, {2, 2}, {"ep", "efsdp"});
   Net ref(6);
   Net net(6);
   ref->to(spmd::device());
   net->to(spmd::device());
-  auto model = shard_expert_net(net, world, sparse, /*fused=*/false, 8.0);
+  auto model = shard_expert_net(net, world, sparse, /*fused=*/false, 8.0, "shard");
   const auto batch = toy::global_batch(60, 8, 6, 3);
   const auto mine = toy::slice(batch, rank, ws);
   toy::mse(model(mine.x.to(spmd::device())), mine.y.to(spmd::device())).backward();

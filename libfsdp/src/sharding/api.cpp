@@ -160,7 +160,7 @@ Choice choose(const std::string& name, const at::Tensor& param, const FullyShard
   if (d < 0) d += param.dim();
   const DeviceMesh& mesh = c.mesh ? *c.mesh : unit_mesh;
   const int64_t shard_size =
-      mesh.size(fsdp_dims(mesh, options, "shard_placement_fn", c.mesh.has_value()).shard);
+      mesh.size(fsdp_dims(mesh, options, "shard_placement_fn", /*strict=*/!c.mesh).shard);
   if (d != 0 && param.size(d) % shard_size != 0) {
     throw ShapeError("shard_placement_fn",
                      "fully_shard: 'shard_placement_fn' returned Shard(" + std::to_string(d) +

@@ -181,10 +181,7 @@ void issue_ready_reductions(RootContext& c) {
 }
 
 void finish_in_flight(RootContext& c) {
-  for (auto& u : locked(c.in_flight)) {
-    TraceUnit traced(*u);
-    for (auto& g : u->groups) g.finish_reduce();
-  }
+  for (auto& u : locked(c.in_flight)) u->finish_reductions();
   c.in_flight.clear();
 }
 
@@ -208,9 +205,17 @@ void finalize_backward(const std::weak_ptr<UnitState>& root_weak) {
     if (u->lifecycle.state() != Lifecycle::PostBackward) u->post_backward();
     if (!open_backward.empty()) trace_close(open_backward, u->id);
   }
-  const bool wait = std::all_of(units.begin(), units.end(),
-                                [](const std::shared_ptr<UnitState>& u) { return u->is_last_backward; });
-  if (wait) finish_in_flight(c);
+  // set_is_last_backward(false) leaves a unit's reductions in flight (the
+  // next forward, backward or finish_pending_reductions() finishes them).
+  std::vector<std::weak_ptr<UnitState>> kept;
+  for (auto& u : locked(c.in_flight)) {
+    if (u->is_last_backward) {
+      u->finish_reductions();
+    } else {
+      kept.push_back(u);
+    }
+  }
+  c.in_flight = std::move(kept);
   for (auto& u : units) {
     for (auto& g : u->groups) {
       for (auto& p : g.params()) p.commit_pass(/*reduced=*/u->requires_gradient_sync);
