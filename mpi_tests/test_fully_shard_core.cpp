@@ -80,6 +80,9 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       {"3-D (replicate, shard, tp)", {1, ws / tp, tp}, {"replicate", "shard", "tp"}},
       // pp is carried through like tp (parameters are replicated on it).
       {"3-D (pp, dp, tp), shard_dim dp", {1, ws / tp, tp}, {"pp", "dp", "tp"}, "dp"},
+      // Experts sharded by EP on the last dim, FSDP over efsdp inside them.
+      {"3-D (replicate, efsdp, ep), shard_dim efsdp", {1, ws / tp, tp},
+       {"replicate", "efsdp", "ep"}, "efsdp"},
   };
   at::manual_seed(11);
   const std::map<std::string, at::Tensor> plain = {
@@ -95,7 +98,7 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       std::map<std::string, at::Tensor> init = plain;
       int64_t tp_rank = 0;
       if (with_tp) {
-        tp_rank = mesh.get_local_rank("tp");
+        tp_rank = mesh.get_local_rank(mc.names[2]);
         init["f_colwise"] = rows(col_global, 0, tp, tp_rank);
         init["g_rowwise"] = rows(row_global, 1, tp, tp_rank);
       }
@@ -111,7 +114,7 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
         return std::nullopt;
       };
       if (with_tp) {
-        const auto tp_mesh = mesh["tp"];
+        const auto tp_mesh = mesh[mc.names[2]];
         o.dtensor_params = {
             fsdp::DTensor::from_local(m->params.at("f_colwise"), tp_mesh,
                                       {fsdp::Placement::Shard(0)}, col_global.sizes().vec()),
