@@ -34,8 +34,8 @@ namespace {
 at::Tensor host(const at::Tensor& t) { return t.detach().to(at::kCPU); }
 
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.defined() && b.defined() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-         at::equal(host(a), host(b));
+  return a.defined() && b.defined() && a.sizes() == b.sizes() &&
+         a.scalar_type() == b.scalar_type() && at::equal(host(a), host(b));
 }
 
 // Rows [e.offset, e.offset + e.length) of `t` along `dim`, the ceil-div way
@@ -157,8 +157,9 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
         BOOST_TEST(col.size() == 3u);
         BOOST_TEST(col[0].is_replicate());
         if (tp > 1) {
-          BOOST_TEST((col[1].is_strided_shard() && col[1].dim() == 0 && col[1].split_factor() == tp),
-                     "colwise FSDP placement is " << col[1].to_string());
+          BOOST_TEST(
+              (col[1].is_strided_shard() && col[1].dim() == 0 && col[1].split_factor() == tp),
+              "colwise FSDP placement is " << col[1].to_string());
         } else {
           BOOST_TEST((col[1].is_shard(0) && !col[1].is_strided_shard()), col[1].to_string());
         }
@@ -325,8 +326,9 @@ BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
       std::map<std::string, std::pair<int64_t, int64_t>> split;
       for (const auto& item : net->named_parameters()) {
         const bool expert = item.key().find("expert") != std::string::npos;
-        split[item.key()] = expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
-                                   : std::make_pair<int64_t, int64_t>(4, rank);
+        split[item.key()] =
+            expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
+                   : std::make_pair<int64_t, int64_t>(4, rank);
       }
       torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
       torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -392,8 +394,9 @@ BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
   for (const auto& item : net->named_parameters()) {
     const bool expert = item.key().find("expert") != std::string::npos;
     const at::Tensor want =
-        expert ? rows(host(ref_params[item.key()].grad()), 0, 2, sparse.get_local_rank("efsdp")) * 0.5
-               : rows(host(ref_params[item.key()].grad()), 0, 4, rank);
+        expert
+            ? rows(host(ref_params[item.key()].grad()), 0, 2, sparse.get_local_rank("efsdp")) * 0.5
+            : rows(host(ref_params[item.key()].grad()), 0, 4, rank);
     (expert ? expert_err : dense_err) =
         std::max(expert ? expert_err : dense_err, l1::diff(item.value().grad(), want));
   }

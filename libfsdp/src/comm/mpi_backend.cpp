@@ -198,7 +198,8 @@ class MpiBackend final : public Backend {
   }
 
   void barrier() override {
-    submit("barrier", at::Tensor(), false, [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
+    submit("barrier", at::Tensor(), false,
+           [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
   }
 
  private:

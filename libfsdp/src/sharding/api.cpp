@@ -190,7 +190,8 @@ detail::ParamLayout make_layout(const std::string& name, const at::Tensor& param
   layout.shard_group = mesh.get_group(dims.shard);
   const std::string shard_name = mesh.dim_names()[static_cast<size_t>(dims.shard)];
   std::map<std::string, Placement> by_name;
-  for (int i = 0; i < mesh.ndim(); ++i) by_name.emplace(mesh.dim_names()[i], Placement::Replicate());
+  for (int i = 0; i < mesh.ndim(); ++i)
+    by_name.emplace(mesh.dim_names()[i], Placement::Replicate());
   DeviceMesh spmd = mesh;
   if (dt) {
     const DeviceMesh& tm = dt->device_mesh();
@@ -239,7 +240,8 @@ detail::ParamLayout make_layout(const std::string& name, const at::Tensor& param
     for (int j = s + 1; j < spmd.ndim(); ++j) {
       if (by_name.at(spmd.dim_names()[j]).is_shard(fsdp.dim())) split *= spmd.size(j);
     }
-    on_shard = split > 1 ? Placement::StridedShard(fsdp.dim(), split) : Placement::Shard(fsdp.dim());
+    on_shard =
+        split > 1 ? Placement::StridedShard(fsdp.dim(), split) : Placement::Shard(fsdp.dim());
   }
   by_name.insert_or_assign(shard_name, on_shard);
   for (int i = 0; i < spmd.ndim(); ++i) {
@@ -432,7 +434,8 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
   return handles;
 }
 
-FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
+                       FullyShardOptions options) {
   return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, std::move(options))
       .front();
 }
@@ -567,7 +570,8 @@ void FSDPModule::finish_pending_reductions() {
 
 std::vector<std::pair<std::string, DTensor>> FSDPModule::sharded_parameters() const {
   std::vector<std::pair<std::string, DTensor>> out;
-  for_params(unit(), [&out](const detail::ShardedParam& p) { out.emplace_back(p.name(), p.dtensor()); });
+  for_params(unit(),
+             [&out](const detail::ShardedParam& p) { out.emplace_back(p.name(), p.dtensor()); });
   return out;
 }
 

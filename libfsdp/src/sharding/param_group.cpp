@@ -391,7 +391,8 @@ void ParamGroup::install() {
       at::Tensor& partial = partial_sums_[e.param];
       // The gradient before the first kept-back step, restored when the
       // global result replaces the replica-local means.
-      if (!partial.defined()) base_grads_[e.param] = params_[e.param].sharded_grad_copy(s.fp32_main_grad);
+      if (!partial.defined())
+        base_grads_[e.param] = params_[e.param].sharded_grad_copy(s.fp32_main_grad);
       partial = partial.defined() ? partial.add_(e.out) : e.out.clone();
       partial_presence_[e.param] += present[k];
       if (present[k] > 0) params_[e.param].add_reduced_grad(e.out * shard_scale, s.fp32_main_grad);

@@ -220,7 +220,7 @@ void finalize_backward(const std::weak_ptr<UnitState>& root_weak) {
     for (auto& g : u->groups) {
       for (auto& p : g.params()) p.commit_pass(/*reduced=*/u->requires_gradient_sync);
     }
-    u->lifecycle.transition(Lifecycle::Idle, [&u] { return u->error_label(); }, "end of backward");
+    u->transition(Lifecycle::Idle, "end of backward");
     reset_pass_state(*u);
   }
   c.phase = RootContext::Phase::Idle;
@@ -473,6 +473,10 @@ std::string UnitState::label() {
   return label_;
 }
 
+void UnitState::transition(detail::Lifecycle to, const char* why) {
+  lifecycle.transition(to, [this] { return error_label(); }, why);
+}
+
 std::string UnitState::error_label() { return label() + " #" + std::to_string(id);
 }
 
@@ -569,7 +573,7 @@ void UnitState::pre_backward() {
   // An output whose gradient arrives after this unit reduced (it does not
   // depend on the unit's parameters) needs nothing more.
   if (lifecycle.state() != detail::Lifecycle::Idle) return;
-  lifecycle.transition(detail::Lifecycle::PreBackward, [this] { return error_label(); }, "pre-backward");
+  transition(detail::Lifecycle::PreBackward, "pre-backward");
   if (trace::enabled()) detail::trace_open(detail::open_backward, *this, "backward");
   wait_unshard();
   if (explicit_backward_prefetch) {
@@ -596,7 +600,7 @@ void UnitState::on_grad_ready(size_t group, size_t index) {
   if (lifecycle.state() == detail::Lifecycle::Idle) {
     // No pre-backward ran: the unit's forward was recomputed (activation
     // checkpointing) or its outputs carry no hook.
-    lifecycle.transition(detail::Lifecycle::PreBackward, [this] { return error_label(); }, "first gradient");
+    transition(detail::Lifecycle::PreBackward, "first gradient");
   }
   if (lifecycle.state() == detail::Lifecycle::PostBackward) {
     throw StateError("fully_shard: unit " + error_label() + ": a gradient of '" +
@@ -612,9 +616,9 @@ void UnitState::on_grad_ready(size_t group, size_t index) {
 
 void UnitState::post_backward() {
   if (lifecycle.state() == detail::Lifecycle::Idle) {
-    lifecycle.transition(detail::Lifecycle::PreBackward, [this] { return error_label(); }, "end of backward");
+    transition(detail::Lifecycle::PreBackward, "end of backward");
   }
-  lifecycle.transition(detail::Lifecycle::PostBackward, [this] { return error_label(); }, "post-backward");
+  transition(detail::Lifecycle::PostBackward, "post-backward");
   {
     detail::TraceUnit traced(*this);
     if (reduces()) {

@@ -83,6 +83,8 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   std::string label();
   // label() and the unit id, "block0 #2": for error messages.
   std::string error_label();
+  // lifecycle.transition, naming this unit if it throws.
+  void transition(detail::Lifecycle to, const char* why);
   // The step context of this unit's root (cached per unit set).
   detail::RootContext& context();
   std::shared_ptr<UnitState> root();
