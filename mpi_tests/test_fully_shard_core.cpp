@@ -535,6 +535,47 @@ BOOST_AUTO_TEST_CASE(test_illegal_transition_raises_and_next_step_recovers) {
   probe_target = nullptr;
 }
 
+// A failed pass after an unsynchronised one: the earlier accumulation is
+// kept, the failed pass's gradient (and the reduction it had issued) is not.
+BOOST_AUTO_TEST_CASE(test_failed_pass_keeps_earlier_accumulation) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  TwoUnits ref(4);
+  TwoUnits model(4);
+  ref->to(spmd::device());
+  model->to(spmd::device());
+  fsdp::fully_shard(model->a);
+  fsdp::fully_shard(model->b);
+  auto root_unit = fsdp::fully_shard(model.ptr());
+  fsdp::Sharded<TwoUnits> root(model);
+  probe_target = model.get();
+  auto loss_of = [&](TwoUnits& m, bool sharded, int64_t seed) {
+    const auto batch = toy::global_batch(seed, 8, 15, 5);
+    const auto b = sharded ? toy::slice(batch, rank, ws) : batch;
+    const at::Tensor x = b.x.to(spmd::device()), y = b.y.to(spmd::device());
+    return toy::mse(sharded ? root(x) : m(x), y);
+  };
+  root_unit.set_requires_gradient_sync(false);
+  loss_of(model, true, 81).backward();  // accumulated locally
+  root_unit.set_requires_gradient_sync(true);
+  model->probe = true;  // b has reduced when the probe throws
+  bool threw = false;
+  try {
+    loss_of(model, true, 82).backward();
+  } catch (const fsdp::StateError&) {
+    threw = true;
+  }
+  model->probe = false;
+  BOOST_TEST(threw, "the failing pass did not throw");
+  loss_of(model, true, 83).backward();  // synchronised: reduces 81 + 83
+  loss_of(ref, false, 81).backward();
+  loss_of(ref, false, 83).backward();
+  l1::Report report("core failed pass after no-sync accumulation");
+  report.check("grads vs single card of the two good passes", l1::grad_err(*model, *ref, ws, rank),
+               1e-5);
+  report.publish();
+  probe_target = nullptr;
+}
+
 // Reshard returns the unsharded parameters' device memory (CUDA: the
 // caching allocator's allocated bytes fall back to the level before the
 // gather). The CPU form is test_fully_shard_with_ac's tracking allocator.
