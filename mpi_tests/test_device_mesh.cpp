@@ -268,7 +268,7 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_inner_dim_and_slice) {
   BOOST_TEST(v.get_group("p").get() == m.get_group("shard").get());
 }
 
-// torchtitan-style views of one world mesh at np 4 (PARALLELISM.md 6.1):
+// torchtitan-style views of one world mesh at np 4 (../shared/PARALLELISM.md 6.1):
 // dense (dp_replicate, fsdp, tp) = (1, 2, 2), sparse (efsdp, ep) = (1, 4)
 // with efsdp = fsdp * tp / ep, and the loss view flatten(dp_replicate, fsdp).
 BOOST_AUTO_TEST_CASE(mesh_unflatten_dense_and_sparse_views) {

@@ -122,7 +122,7 @@ void worsen(double& worst, double e) {
 // ---------------------------------------------------------------- layout
 
 // Rows [offset, offset + length) of dim 0 that shard `index` of `parts` owns
-// under the ceil-div layout (DESIGN.md section 5), computed here rather than
+// under the ceil-div layout (../shared/DESIGN.md section 5), computed here rather than
 // by the library.
 std::pair<int64_t, int64_t> owned_rows(int64_t rows, int64_t parts, int64_t index) {
   const int64_t chunk = (rows + parts - 1) / parts;

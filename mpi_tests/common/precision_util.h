@@ -237,7 +237,7 @@ inline void note(const std::string& text) {
 }
 
 // The dtype the plan's "fp16" cases compute in: fp16 on CUDA; bf16 on CPU,
-// where LibTorch 1.13 has no fp16 GEMM (DESIGN.md section 3). Prints the
+// where LibTorch 1.13 has no fp16 GEMM (../shared/DESIGN.md section 3). Prints the
 // substitution.
 inline c10::ScalarType plan_fp16(const std::string& id) {
   if (spmd::device().is_cuda()) return at::kHalf;

@@ -60,7 +60,7 @@ struct Row {
   std::string unwritten;  // plan text for a case that does not exist yet
 };
 
-// The test plan's "Precision self-consistency matrix" (TEST-PLAN.md).
+// The test plan's "Precision self-consistency matrix" (../shared/TEST-PLAN.md).
 const std::vector<Row>& plan_rows() {
   static const std::vector<Row> rows = {
       {"FSDP 1-D, fp32", 1e-5, 1e-5, {"L1-03", "L2-01", "L3-02", "L3-04", "L3-05"}, ""},
