@@ -6,6 +6,7 @@
 // Expected values are built here from at::arange and a hand-written ceil-div
 // split, never from the library under test.
 #include "spmd.h"
+#include "toy_models.h"
 
 #include <fsdp/comm.h>
 #include <fsdp/dtensor.h>
@@ -57,22 +58,14 @@ Shape coordinate(const Shape& mesh_shape) {
   return c;
 }
 
-// Rows [min(i*c, n), min((i+1)*c, n)) with c = ceil(n / parts).
-at::Tensor owned(const at::Tensor& t, int64_t dim, int64_t parts, int64_t index) {
-  const int64_t n = t.size(dim);
-  const int64_t c = (n + parts - 1) / parts;
-  const int64_t begin = std::min(index * c, n);
-  const int64_t end = std::min((index + 1) * c, n);
-  return t.narrow(dim, begin, end - begin);
-}
-
 // This rank's piece of `full` under Shard/Replicate placements.
 at::Tensor expected_local(const at::Tensor& full, const Shape& mesh_shape,
                           const Placements& placements) {
   const Shape c = coordinate(mesh_shape);
   at::Tensor t = full;
   for (size_t i = 0; i < placements.size(); ++i) {
-    if (placements[i].is_shard()) t = owned(t, placements[i].dim(), mesh_shape[i], c[i]);
+    if (placements[i].is_shard())
+      t = toy::ceil_div_rows(t, placements[i].dim(), mesh_shape[i], c[i]);
   }
   return t;
 }
@@ -304,8 +297,8 @@ BOOST_AUTO_TEST_CASE(partial_on_2d_mesh) {
         const at::Tensor piece = contribution(shape, c[0]);
 
         const Placements sharded{Placement::Partial(op), Placement::Shard(0)};
-        const fsdp::DTensor a =
-            fsdp::DTensor::from_local(owned(piece, 0, mesh_shape[1], c[1]).clone(), mesh, sharded);
+        const fsdp::DTensor a = fsdp::DTensor::from_local(
+            toy::ceil_div_rows(piece, 0, mesh_shape[1], c[1]).clone(), mesh, sharded);
         BOOST_TEST(a.shape() == shape);
         BOOST_TEST(at::equal(a.full_tensor(), want));
         for (const Placements& target : layouts(2)) {
@@ -423,14 +416,14 @@ BOOST_AUTO_TEST_CASE(from_local_infers_uneven_shape) {
   const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
   const int64_t n = 2 * world() - 1;  // chunk 2: the last rank holds 1 row
   const at::Tensor full = arange({n, 3});
-  const fsdp::DTensor rows = fsdp::DTensor::from_local(owned(full, 0, world(), spmd::rank()),
-                                                       mesh, {Placement::Shard(0)});
+  const fsdp::DTensor rows = fsdp::DTensor::from_local(
+      toy::ceil_div_rows(full, 0, world(), spmd::rank()), mesh, {Placement::Shard(0)});
   BOOST_TEST(rows.shape() == Shape({n, 3}));
   BOOST_TEST(at::equal(rows.full_tensor(), full));
 
   const at::Tensor wide = arange({3, n});
-  const fsdp::DTensor cols = fsdp::DTensor::from_local(owned(wide, 1, world(), spmd::rank()),
-                                                       mesh, {Placement::Shard(-1)});
+  const fsdp::DTensor cols = fsdp::DTensor::from_local(
+      toy::ceil_div_rows(wide, 1, world(), spmd::rank()), mesh, {Placement::Shard(-1)});
   BOOST_TEST((cols.placements()[0] == Placement::Shard(1)));
   BOOST_TEST(cols.shape() == Shape({3, n}));
   BOOST_TEST(at::equal(cols.full_tensor(), wide));
@@ -545,7 +538,7 @@ namespace {
 // dim splits inside the pieces of the dims to its right that split the same
 // tensor dim), the order in which its splits are applied: (mesh dim, tensor
 // dim), outermost first. expected_pieces() follows these steps with the
-// hand-written owned(); the library's own order is never consulted.
+// hand-written ceil-div rows (toy::ceil_div_rows); the library's own order is never consulted.
 struct Layout {
   Placements placements;
   std::vector<std::pair<int, int64_t>> steps;
@@ -556,7 +549,7 @@ at::Tensor expected_piece(const at::Tensor& full, const Shape& mesh_shape, const
   at::Tensor t = full;
   for (const auto& [mesh_dim, tensor_dim] : l.steps) {
     const size_t i = static_cast<size_t>(mesh_dim);
-    t = owned(t, tensor_dim, mesh_shape[i], c[i]);
+    t = toy::ceil_div_rows(t, tensor_dim, mesh_shape[i], c[i]);
   }
   return t;
 }
@@ -686,7 +679,7 @@ BOOST_AUTO_TEST_CASE(strided_shard_ownership_np4) {
       const at::Tensor tp_local =
           fsdp::distribute_tensor(full, mesh, {Placement::Replicate(), Placement::Shard(0)})
               .to_local();
-      BOOST_TEST(bitwise_equal(dt.to_local(), owned(tp_local, 0, 2, r / 2)));
+      BOOST_TEST(bitwise_equal(dt.to_local(), toy::ceil_div_rows(tp_local, 0, 2, r / 2)));
       // Inferred shape from these pieces alone.
       const fsdp::DTensor inferred = fsdp::DTensor::from_local(want.clone(), mesh, strided);
       BOOST_TEST(inferred.shape() == Shape({row.n, 3}));
@@ -819,7 +812,8 @@ BOOST_AUTO_TEST_CASE(strided_shard_fsdp_collectives) {
           const at::Tensor want = op == ReduceOp::SUM
                                       ? contribution(shape, 0) + contribution(shape, 1)
                                       : (contribution(shape, 0) + contribution(shape, 1)) / 2;
-          const at::Tensor mine = owned(contribution(shape, c[0]), 0, mesh_shape[1], c[1]);
+          const at::Tensor mine =
+              toy::ceil_div_rows(contribution(shape, c[0]), 0, mesh_shape[1], c[1]);
           const fsdp::DTensor grad = fsdp::DTensor::from_local(
               mine.clone(), mesh, {Placement::Partial(op), Placement::Shard(0)}, shape);
           fsdp::reset_collective_counters();

@@ -38,16 +38,6 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
          a.scalar_type() == b.scalar_type() && at::equal(host(a), host(b));
 }
 
-// Rows [e.offset, e.offset + e.length) of `t` along `dim`, the ceil-div way
-// (an independent computation of what a rank must own).
-at::Tensor rows(const at::Tensor& t, int64_t dim, int64_t parts, int64_t index) {
-  const int64_t n = t.size(dim);
-  const int64_t c = (n + parts - 1) / parts;
-  const int64_t begin = std::min(index * c, n);
-  const int64_t end = std::min((index + 1) * c, n);
-  return t.narrow(dim, begin, end - begin);
-}
-
 // A module with parameters of awkward shapes, and (for TP) two parameters
 // that are pieces of global tensors sharded over the tp dim.
 struct LayoutsImpl : torch::nn::Module {
@@ -99,8 +89,8 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       int64_t tp_rank = 0;
       if (with_tp) {
         tp_rank = mesh.get_local_rank(mc.names[2]);
-        init["f_colwise"] = rows(col_global, 0, tp, tp_rank);
-        init["g_rowwise"] = rows(row_global, 1, tp, tp_rank);
+        init["f_colwise"] = toy::ceil_div_rows(col_global, 0, tp, tp_rank);
+        init["g_rowwise"] = toy::ceil_div_rows(row_global, 1, tp, tp_rank);
       }
       for (auto& [name, t] : init) t = t.to(spmd::device());
       Layouts m(init);
@@ -132,15 +122,17 @@ BOOST_AUTO_TEST_CASE(test_layout_round_trip) {
       }
       // What this rank must own, computed here from the layout rules.
       std::map<std::string, at::Tensor> want = {
-          {"a_7rows", rows(plain.at("a_7rows"), 0, shards, s)},
-          {"b_3rows", rows(plain.at("b_3rows"), 0, shards, s)},
-          {"c_dim1", rows(plain.at("c_dim1"), 1, shards, s)},
-          {"d_bias", rows(plain.at("d_bias"), 0, shards, s)},
+          {"a_7rows", toy::ceil_div_rows(plain.at("a_7rows"), 0, shards, s)},
+          {"b_3rows", toy::ceil_div_rows(plain.at("b_3rows"), 0, shards, s)},
+          {"c_dim1", toy::ceil_div_rows(plain.at("c_dim1"), 1, shards, s)},
+          {"d_bias", toy::ceil_div_rows(plain.at("d_bias"), 0, shards, s)},
           {"e_replicated", plain.at("e_replicated")}};
       if (with_tp) {
         // TP first, then FSDP inside the TP piece (both along dim 0).
-        want["f_colwise"] = rows(rows(col_global, 0, tp, tp_rank), 0, shards, s);
-        want["g_rowwise"] = rows(rows(row_global, 1, tp, tp_rank), 0, shards, s);
+        want["f_colwise"] =
+            toy::ceil_div_rows(toy::ceil_div_rows(col_global, 0, tp, tp_rank), 0, shards, s);
+        want["g_rowwise"] =
+            toy::ceil_div_rows(toy::ceil_div_rows(row_global, 1, tp, tp_rank), 0, shards, s);
       }
       for (const auto& [name, t] : want) {
         BOOST_TEST(bitwise_equal(m->params.at(name), t), name << ": local shard differs");
@@ -191,8 +183,8 @@ BOOST_AUTO_TEST_CASE(test_grad_norm_over_fsdp_and_tp_dims) {
       const auto mesh = fsdp::init_device_mesh(spmd::device().type(), mc.shape, mc.names);
       const int64_t tp = mesh.size("tp"), j = mesh.get_local_rank("tp");
       std::map<std::string, at::Tensor> init = plain;
-      init["f_colwise"] = rows(col_global, 0, tp, j);
-      init["g_rowwise"] = rows(row_global, 1, tp, j);
+      init["f_colwise"] = toy::ceil_div_rows(col_global, 0, tp, j);
+      init["g_rowwise"] = toy::ceil_div_rows(row_global, 1, tp, j);
       for (auto& [name, t] : init) t = t.to(spmd::device());
       Layouts m(init);
       fsdp::FullyShardOptions o;
@@ -225,6 +217,86 @@ BOOST_AUTO_TEST_CASE(test_grad_norm_over_fsdp_and_tp_dims) {
       report.publish();
     }
   }
+}
+
+// Bad layouts get a typed error naming the argument, before any parameter
+// is touched (the module can be sharded correctly afterwards).
+BOOST_AUTO_TEST_CASE(test_layout_errors_are_typed) {
+  const int ws = spmd::world_size();
+  const auto dev = spmd::device().type();
+  const auto plain3 = fsdp::init_device_mesh(dev, {1, ws, 1}, {"a", "b", "c"});
+  const auto named = fsdp::init_device_mesh(dev, {1, ws, 1}, {"replicate", "shard", "tp"});
+  const auto flat = fsdp::init_device_mesh(dev, {ws}, {"shard"});
+  const auto other = fsdp::init_device_mesh(dev, {ws}, {"x"});
+  auto module = [] {
+    at::manual_seed(3);
+    return Layouts(std::map<std::string, at::Tensor>{{"w", at::randn({4, 2})}});
+  };
+  auto attempt = [](Layouts& m, const fsdp::FullyShardOptions& o) {
+    fsdp::fully_shard(m.ptr(), o);
+  };
+  Layouts m = module();
+  const std::vector<int64_t> shape42 = {4, 2};
+  const at::Tensor w0 = m->params.at("w").detach().clone();
+  {
+    fsdp::FullyShardOptions o;
+    o.mesh = plain3;
+    l1::expect_error<fsdp::MeshError>([&] { attempt(m, o); }, "mesh", "3-D mesh, no FSDP dims");
+    o.shard_dim = "nope";
+    l1::expect_error<fsdp::MeshError>([&] { attempt(m, o); }, "shard_dim", "unknown shard_dim");
+    o.shard_dim = "b";
+    o.replicate_dim = "b";
+    l1::expect_error<fsdp::MeshError>([&] { attempt(m, o); }, "replicate_dim",
+                                      "replicate_dim == shard_dim");
+  }
+  {
+    fsdp::FullyShardOptions o;
+    o.mesh = named;
+    o.dtensor_params = {fsdp::DTensor()};
+    l1::expect_error<fsdp::ArgumentError>([&] { attempt(m, o); }, "dtensor_params",
+                                          "undefined DTensor");
+    const at::Tensor stranger = at::zeros({4, 2}, m->params.at("w").options());
+    o.dtensor_params = {fsdp::DTensor::from_local(stranger, named["tp"],
+                                                  {fsdp::Placement::Replicate()}, shape42)};
+    l1::expect_error<fsdp::ArgumentError>([&] { attempt(m, o); }, "dtensor_params",
+                                          "DTensor of a tensor that is not a parameter");
+    o.dtensor_params = {fsdp::DTensor::from_local(m->params.at("w"), named["shard"],
+                                                  {fsdp::Placement::Replicate()}, shape42)};
+    l1::expect_error<fsdp::MeshError>([&] { attempt(m, o); }, "dtensor_params",
+                                      "DTensor on FSDP's own dim");
+    o.dtensor_params = {fsdp::DTensor::from_local(m->params.at("w"), named["tp"],
+                                                  {fsdp::Placement::Partial()}, shape42)};
+    l1::expect_error<fsdp::ArgumentError>([&] { attempt(m, o); }, "dtensor_params",
+                                          "Partial DTensor parameter");
+    o.dtensor_params = {fsdp::DTensor::from_local(m->params.at("w"), other,
+                                                  {fsdp::Placement::Replicate()}, shape42)};
+    l1::expect_error<fsdp::MeshError>([&] { attempt(m, o); }, "dtensor_params",
+                                      "DTensor on an unrelated mesh, carried dims");
+    o.mesh = flat;
+    l1::expect_error<fsdp::MeshError>([&] { attempt(m, o); }, "dtensor_params",
+                                      "DTensor on a mesh that cannot be joined");
+  }
+  {
+    fsdp::FullyShardOptions o;
+    o.mesh = flat;
+    o.shard_placement_fn = [flat](const std::string&,
+                                  const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
+      return fsdp::ShardPlacementResult(fsdp::Placement::Shard(0), flat, 0.0);
+    };
+    l1::expect_error<fsdp::ArgumentError>([&] { attempt(m, o); }, "shard_placement_fn",
+                                          "gradient_divide_factor 0");
+    o.shard_placement_fn = [](const std::string&,
+                              const at::Tensor&) -> std::optional<fsdp::ShardPlacementResult> {
+      return fsdp::ShardPlacementResult(fsdp::Placement::StridedShard(0, 1));
+    };
+    l1::expect_error<fsdp::ArgumentError>([&] { attempt(m, o); }, "shard_placement_fn",
+                                          "StridedShard from shard_placement_fn");
+  }
+  BOOST_TEST(bitwise_equal(m->params.at("w"), w0), "a rejected call changed the parameter");
+  fsdp::FSDPModule unit = fsdp::fully_shard(m.ptr());
+  l1::expect_error<fsdp::ArgumentError>([&] { unit.set_gradient_divide_factor(-1.0); }, "factor",
+                                        "set_gradient_divide_factor(-1)");
+  BOOST_TEST(bitwise_equal(unit.full_state_dict().front().second, w0));
 }
 
 namespace {
@@ -265,7 +337,8 @@ double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
   for (const auto& item : model.named_parameters()) {
     const at::Tensor& r = ref_params[item.key()];
     const auto [parts, index] = split.at(item.key());
-    const at::Tensor want = rows(host(grads ? r.grad() : r), 0, parts, index) * ref_scale;
+    const at::Tensor want =
+        toy::ceil_div_rows(host(grads ? r.grad() : r), 0, parts, index) * ref_scale;
     const at::Tensor got = grads ? item.value().grad() : item.value();
     const double e = l1::diff(got, want);
     if (!(e <= worst)) worst = e;
@@ -394,9 +467,10 @@ BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
   for (const auto& item : net->named_parameters()) {
     const bool expert = item.key().find("expert") != std::string::npos;
     const at::Tensor want =
-        expert
-            ? rows(host(ref_params[item.key()].grad()), 0, 2, sparse.get_local_rank("efsdp")) * 0.5
-            : rows(host(ref_params[item.key()].grad()), 0, 4, rank);
+        expert ? toy::ceil_div_rows(host(ref_params[item.key()].grad()), 0, 2,
+                                    sparse.get_local_rank("efsdp")) *
+                     0.5
+               : toy::ceil_div_rows(host(ref_params[item.key()].grad()), 0, 4, rank);
     (expert ? expert_err : dense_err) =
         std::max(expert ? expert_err : dense_err, l1::diff(item.value().grad(), want));
   }
@@ -483,6 +557,16 @@ TORCH_MODULE(TwoUnits);
 
 TwoUnitsImpl* probe_target = nullptr;
 
+// a, b, then the root; `model` becomes the probe's target.
+fsdp::FSDPModule shard_two_units(TwoUnits& model, TwoUnits& ref) {
+  ref->to(spmd::device());
+  model->to(spmd::device());
+  fsdp::fully_shard(model->a);
+  fsdp::fully_shard(model->b);
+  probe_target = model.get();
+  return fsdp::fully_shard(model.ptr());
+}
+
 torch::autograd::variable_list ReenterForward::backward(torch::autograd::AutogradContext*,
                                                         torch::autograd::variable_list grads) {
   // b's gradients are all in (it is downstream of the probe): b has reduced.
@@ -499,12 +583,8 @@ BOOST_AUTO_TEST_CASE(test_illegal_transition_raises_and_next_step_recovers) {
   const int ws = spmd::world_size(), rank = spmd::rank();
   TwoUnits ref(3);
   TwoUnits model(3);
-  ref->to(spmd::device());
-  model->to(spmd::device());
-  fsdp::fully_shard(model->a);
-  fsdp::fully_shard(model->b);
-  auto root = fsdp::fully_shard(model);
-  probe_target = model.get();
+  shard_two_units(model, ref);
+  fsdp::Sharded<TwoUnits> root(model);
   const auto batch = toy::global_batch(70, 8);
   const auto mine = toy::slice(batch, rank, ws);
   const at::Tensor x = mine.x.to(spmd::device());
@@ -541,13 +621,8 @@ BOOST_AUTO_TEST_CASE(test_failed_pass_keeps_earlier_accumulation) {
   const int ws = spmd::world_size(), rank = spmd::rank();
   TwoUnits ref(4);
   TwoUnits model(4);
-  ref->to(spmd::device());
-  model->to(spmd::device());
-  fsdp::fully_shard(model->a);
-  fsdp::fully_shard(model->b);
-  auto root_unit = fsdp::fully_shard(model.ptr());
+  fsdp::FSDPModule root_unit = shard_two_units(model, ref);
   fsdp::Sharded<TwoUnits> root(model);
-  probe_target = model.get();
   auto loss_of = [&](TwoUnits& m, bool sharded, int64_t seed) {
     const auto batch = toy::global_batch(seed, 8, 15, 5);
     const auto b = sharded ? toy::slice(batch, rank, ws) : batch;

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +62,16 @@ inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
 inline at::Tensor shard_rows(const at::Tensor& full, int64_t parts, int64_t index) {
   const fsdp::ShardExtent e = fsdp::shard_extent(full.size(0), parts, index);
   return full.narrow(0, e.offset, e.length);
+}
+
+// The same ceil-div rows along `dim`, computed here rather than by the
+// library (for checks of the library's own layout).
+inline at::Tensor ceil_div_rows(const at::Tensor& t, int64_t dim, int64_t parts, int64_t index) {
+  const int64_t n = t.size(dim);
+  const int64_t c = (n + parts - 1) / parts;
+  const int64_t begin = std::min(index * c, n);
+  const int64_t end = std::min((index + 1) * c, n);
+  return t.narrow(dim, begin, end - begin);
 }
 
 // Max |a - b| (0 for two empty tensors).

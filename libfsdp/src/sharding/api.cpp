@@ -218,7 +218,15 @@ detail::ParamLayout make_layout(const std::string& name, const at::Tensor& param
                             tm.to_string() + ", which is not made of the carried dims of 'mesh' " +
                             mesh.to_string());
       }
-      spmd = DeviceMesh::concatenate({mesh, tm});
+      try {
+        spmd = DeviceMesh::concatenate({mesh, tm});
+      } catch (const MeshError& e) {
+        throw MeshError("dtensor_params",
+                        "fully_shard: '" + which + "' ('" + name + "') lives on " +
+                            tm.to_string() + ", which cannot be joined with 'mesh' " +
+                            mesh.to_string() + " (" + e.what() +
+                            "); accepted: a slice of the mesh 'mesh' was sliced from");
+      }
     }
     for (int i = 0; i < tm.ndim(); ++i) {
       const Placement& p = dt->placements()[static_cast<size_t>(i)];
