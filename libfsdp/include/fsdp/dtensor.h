@@ -135,6 +135,23 @@ class DTensor {
   std::vector<int64_t> shape_;
 };
 
+// Differentiable redistribute of a local tensor: forward is
+// DTensor::from_local(local, mesh, from, shape).redistribute(to).to_local();
+// backward redistributes the incoming gradient, taken to have placements
+// `grad_placements` (default `to`), to `from` with every Partial read as
+// Replicate (a partial sum's gradient is the same on every rank). So
+// Shard(d) -> Replicate with grad Partial() is sequence parallelism's
+// all-gather (backward reduce-scatter), Replicate -> Replicate with grad
+// Partial() is Megatron's copy_to_tp (backward all-reduce). `shape` is the
+// global shape (no communication to infer it). Collective over the mesh in
+// forward and in backward. Errors as from_local / redistribute, and
+// ArgumentError naming "grad_placements" for a wrong count.
+at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
+                              const std::vector<Placement>& from,
+                              const std::vector<Placement>& to,
+                              const std::vector<int64_t>& shape,
+                              std::optional<std::vector<Placement>> grad_placements = std::nullopt);
+
 // Splits a tensor that is identical on every rank of `mesh` according to
 // `placements` (no communication for Shard, StridedShard and Replicate;
 // Partial(SUM) keeps the value on group rank 0 and zeros elsewhere,

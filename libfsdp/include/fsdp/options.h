@@ -65,6 +65,22 @@ struct ShardPlacementResult {
 using ShardPlacementFn = std::function<std::optional<ShardPlacementResult>(
     const std::string& name, const at::Tensor& param)>;
 
+// A parameter already distributed by tensor or expert parallelism: a DTensor
+// whose local tensor is the module's parameter itself (not a copy), and the
+// placements of its gradient on the DTensor's mesh. grad_placements empty =
+// the parameter's own. Partial(SUM) on a dim where the parameter is
+// Replicate says its gradient is a partial sum there (a norm weight in a
+// sequence-parallel region, a bias added after a reduce-scatter): FSDP
+// all-reduces it over that dim, in reduce_dtype, before its own reduction.
+// Nothing else may differ (ArgumentError naming "dtensor_params").
+struct DistributedParam {
+  DistributedParam(DTensor p) : param(std::move(p)) {}  // NOLINT: a bare DTensor is one
+  DistributedParam(DTensor p, std::vector<Placement> grad)
+      : param(std::move(p)), grad_placements(std::move(grad)) {}
+  DTensor param;
+  std::vector<Placement> grad_placements;
+};
+
 struct FullyShardOptions {
   // FSDP's mesh. 1-D = FSDP, 2-D (replicate, shard) = HSDP; with more dims
   // (e.g. (replicate, shard, tp)) shard_dim (and replicate_dim) name FSDP's
@@ -86,14 +102,14 @@ struct FullyShardOptions {
   std::vector<at::Tensor> ignored_params;
   // Managed but not sharded: full on every rank, gradients all-reduced.
   std::vector<at::Tensor> replicate_params;
-  // Parameters already distributed by tensor or expert parallelism: DTensors
-  // whose local tensor is the module's parameter (the same tensor, not a
-  // copy). FSDP shards the local tensor further and records the combined
+  // Parameters already distributed by tensor or expert parallelism (see
+  // DistributedParam; fsdp::tp::dtensor_params lists a TP model's). FSDP
+  // shards the local tensor further and records the combined
   // placement on the mesh of FSDP's dims and the DTensor's dims, so
   // sharded_parameters(), state dicts, clip_grad_norm_ and checkpoints see
   // the global tensor. Their mesh must be a slice of `mesh` (its non-FSDP
   // dims) or of the mesh `mesh` was sliced from.
-  std::vector<DTensor> dtensor_params;
+  std::vector<DistributedParam> dtensor_params;
   // One all-gather and one reduce-scatter per parameter group per pass over
   // a flat buffer, instead of one per parameter.
   bool comm_fusion = false;

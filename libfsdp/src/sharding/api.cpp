@@ -313,7 +313,7 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
   }
   std::unordered_map<const c10::TensorImpl*, size_t> dtensor_of;
   for (size_t i = 0; i < options.dtensor_params.size(); ++i) {
-    const DTensor& dt = options.dtensor_params[i];
+    const DTensor& dt = options.dtensor_params[i].param;
     if (!dt.defined()) {
       throw ArgumentError("dtensor_params", "fully_shard: 'dtensor_params[" + std::to_string(i) +
                                                 "]' is an undefined DTensor");
@@ -367,7 +367,7 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
       size_t dt_index = 0;
       if (auto it = dtensor_of.find(param.unsafeGetTensorImpl()); it != dtensor_of.end()) {
         dt_index = it->second;
-        dt = &options.dtensor_params[dt_index];
+        dt = &options.dtensor_params[dt_index].param;
         dtensor_used[dt_index] = true;
       }
       detail::ParamLayout layout =
