@@ -832,19 +832,23 @@ BOOST_AUTO_TEST_CASE(strided_shard_fsdp_collectives) {
 BOOST_AUTO_TEST_CASE(strided_shard_argument_errors) {
   const fsdp::DeviceMesh mesh1 = fsdp::init_device_mesh(c10::kCPU, {world()});
   const at::Tensor t = at::zeros({4, 4});
-  // On a 1-D mesh nothing is to the right: only sf = 1 fits.
-  check_throws<fsdp::ArgumentError>(
-      [&] { fsdp::distribute_tensor(t, mesh1, {SS(0, 2)}); }, "placements");
-  check_throws<fsdp::ArgumentError>(
-      [&] { fsdp::DTensor::from_local(t, mesh1, {SS(0, 2)}); }, "placements");
-  check_throws<fsdp::ArgumentError>(
-      [&] { fsdp::DTensor::from_local(t, mesh1, {SS(0, 2)}, Shape{4, 4}); }, "placements");
+  // On a 1-D mesh nothing is to the right: sf counts fused pieces, which
+  // must cut the dim evenly (4 rows do not make 3 pieces).
+  check_throws<fsdp::ShapeError>(
+      [&] { fsdp::distribute_tensor(t, mesh1, {SS(0, 3)}); }, "placements");
+  check_throws<fsdp::ShapeError>(
+      [&] { fsdp::DTensor::from_local(t, mesh1, {SS(0, 3)}, Shape{4, 4}); }, "placements");
+  if (world() > 1) {
+    // 4 rows per rank are not the fused share of 4 rows in all.
+    check_throws<fsdp::ShapeError>(
+        [&] { fsdp::DTensor::from_local(t, mesh1, {SS(0, 2)}, Shape{4, 4}); }, "local");
+  }
   check_throws<fsdp::ArgumentError>(
       [&] { fsdp::distribute_tensor(t, mesh1, {SS(2, 1)}); }, "placements");
   check_throws<fsdp::ArgumentError>(
       [&] { fsdp::distribute_tensor(t, mesh1, {SS(-3, 1)}); }, "placements");
   const fsdp::DTensor rep = fsdp::distribute_tensor(t, mesh1, {Placement::Replicate()});
-  check_throws<fsdp::ArgumentError>([&] { rep.redistribute({SS(0, 2)}); }, "placements");
+  check_throws<fsdp::ShapeError>([&] { rep.redistribute({SS(0, 3)}); }, "placements");
   // A negative dim is normalised like Shard's.
   const fsdp::DTensor neg = fsdp::distribute_tensor(t, mesh1, {SS(-1, 1)});
   BOOST_TEST((neg.placements()[0] == SS(1, 1)));
@@ -856,12 +860,13 @@ BOOST_AUTO_TEST_CASE(strided_shard_argument_errors) {
     check_throws<fsdp::ArgumentError>(
         [&] { fsdp::distribute_tensor(t, mesh2, {SS(0, tp + 1), Placement::Shard(0)}); },
         "placements");
-    // The dim to the right shards dim 1, not 0: nothing is inside, sf = 1.
-    check_throws<fsdp::ArgumentError>(
-        [&] { fsdp::distribute_tensor(t, mesh2, {SS(0, tp), Placement::Shard(1)}); },
+    // The dim to the right shards dim 1, not 0: nothing is inside, so sf
+    // counts fused pieces of dim 0 (3 do not cut 4 rows).
+    check_throws<fsdp::ShapeError>(
+        [&] { fsdp::distribute_tensor(t, mesh2, {SS(0, 3), Placement::Shard(1)}); },
         "placements");
-    check_throws<fsdp::ArgumentError>(
-        [&] { fsdp::distribute_tensor(t, mesh2, {SS(0, tp), Placement::Replicate()}); },
+    check_throws<fsdp::ShapeError>(
+        [&] { fsdp::distribute_tensor(t, mesh2, {SS(0, 3), Placement::Replicate()}); },
         "placements");
     // Shard(-2) on the right is tensor dim 0 once normalised.
     const fsdp::DTensor ok =
@@ -874,4 +879,82 @@ BOOST_AUTO_TEST_CASE(strided_shard_argument_errors) {
   at::Tensor one = at::ones({1}, at::kFloat);
   mesh1.get_group(0)->all_reduce(one);
   BOOST_TEST(one.item<float>() == static_cast<float>(world()));
+}
+
+namespace {
+
+// This rank's rows of a fused StridedShard(0, pieces) over `parts` ranks:
+// the dim cut into `pieces` equal blocks, each split ceil-div, written by
+// hand.
+at::Tensor fused_rows(const at::Tensor& full, int64_t pieces, int64_t parts, int64_t index) {
+  const int64_t m = full.size(0) / pieces;
+  std::vector<at::Tensor> blocks;
+  for (int64_t p = 0; p < pieces; ++p) {
+    blocks.push_back(toy::ceil_div_rows(full.narrow(0, p * m, m), 0, parts, index));
+  }
+  return at::cat(blocks, 0);
+}
+
+}  // namespace
+
+// A fused [q; k; v] weight sharded by heads: StridedShard(0, 3) with no dim
+// to its right splitting dim 0 cuts the rows into 3 equal blocks and splits
+// each; FSDP over it on (dp, tp) splits the TP-local rows further
+// (StridedShard(0, tp) on dp).
+BOOST_AUTO_TEST_CASE(strided_shard_fused_pieces) {
+  const int64_t w = world();
+  const fsdp::DeviceMesh line = fsdp::init_device_mesh(c10::kCPU, {w}, {"tp"});
+  const Placements fused{Placement::StridedShard(0, 3)};
+  for (const Shape& shape : {Shape{12, 2}, Shape{9, 3}, Shape{3, 4}, Shape{0, 2}}) {
+    BOOST_TEST_CONTEXT("shape " << str(shape)) {
+      const at::Tensor full = values(shape);
+      const at::Tensor want = fused_rows(full, 3, w, spmd::rank());
+      const fsdp::DTensor dt = fsdp::distribute_tensor(full, line, fused);
+      BOOST_TEST(bitwise_equal(dt.to_local(), want));
+      BOOST_TEST(bitwise_equal(dt.full_tensor(), full));
+      const fsdp::DTensor inferred = fsdp::DTensor::from_local(want.clone(), line, fused);
+      BOOST_TEST(inferred.shape() == shape);
+      BOOST_TEST(bitwise_equal(inferred.full_tensor(), full));
+      // Shard(0) <-> fused, and Partial -> fused is one reduce-scatter.
+      const fsdp::DTensor rows = fsdp::distribute_tensor(full, line, {Placement::Shard(0)});
+      BOOST_TEST(bitwise_equal(rows.redistribute(fused).to_local(), want));
+      BOOST_TEST(bitwise_equal(dt.redistribute({Placement::Shard(0)}).to_local(),
+                               rows.to_local()));
+      const at::Tensor mine = full * static_cast<double>(spmd::rank() + 1);
+      const fsdp::DTensor partial =
+          fsdp::DTensor::from_local(mine, line, {Placement::Partial()}, shape);
+      fsdp::reset_collective_counters();
+      const at::Tensor reduced = partial.redistribute(fused).to_local();
+      if (w > 1) BOOST_TEST(collectives_issued() == 1);
+      const at::Tensor sum = full * static_cast<double>(w * (w + 1) / 2);
+      BOOST_TEST(toy::max_abs_diff(reduced, fused_rows(sum, 3, w, spmd::rank())) < 1e-4);
+    }
+  }
+  check_throws<fsdp::ShapeError>(
+      [&] { fsdp::distribute_tensor(values({10, 2}), line, fused); }, "placements");
+  check_throws<fsdp::ShapeError>(
+      [&] { fsdp::DTensor::from_local(at::zeros({2, 2}), line, fused, Shape{10, 2}); },
+      "placements");
+  if (w < 4 || w % 2 != 0) return;
+  const Shape mesh_shape{2, w / 2};
+  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"dp", "tp"});
+  const Shape c = coordinate(mesh_shape);
+  const Placements fsdp_tp{Placement::StridedShard(0, mesh_shape[1]),
+                           Placement::StridedShard(0, 3)};
+  for (const Shape& shape : {Shape{24, 2}, Shape{18, 3}, Shape{6, 1}}) {
+    BOOST_TEST_CONTEXT("(dp, tp) shape " << str(shape)) {
+      const at::Tensor full = values(shape);
+      const at::Tensor tp_local = fused_rows(full, 3, mesh_shape[1], c[1]);
+      const at::Tensor want = toy::ceil_div_rows(tp_local, 0, 2, c[0]);
+      const fsdp::DTensor dt = fsdp::distribute_tensor(full, mesh, fsdp_tp);
+      BOOST_TEST(bitwise_equal(dt.to_local(), want));
+      BOOST_TEST(bitwise_equal(dt.full_tensor(), full));
+      const fsdp::DTensor inferred = fsdp::DTensor::from_local(want.clone(), mesh, fsdp_tp);
+      BOOST_TEST(inferred.shape() == shape);
+      // FSDP's all-gather over dp alone gives back the TP-local rows.
+      const fsdp::DTensor tp_only =
+          dt.redistribute({Placement::Replicate(), Placement::StridedShard(0, 3)});
+      BOOST_TEST(bitwise_equal(tp_only.to_local(), tp_local));
+    }
+  }
 }

@@ -18,7 +18,14 @@
 //                 (1,0) rows 2-3, (0,1) rows 4-5, (1,1) rows 6-7. With
 //                 nothing inside (sf = 1) it has Shard(d)'s layout but stays
 //                 a different placement (redistributing between the two
-//                 re-splits).
+//                 re-splits). When no mesh dim to its right splits d, sf
+//                 instead counts fused pieces: the piece this mesh dim
+//                 splits is cut into sf equal blocks (ShapeError naming
+//                 "placements" if they are not equal) and each block is
+//                 split ceil-div; the local tensor is the concatenation of
+//                 this rank's share of every block. That is a fused
+//                 [q; k; v] weight sharded by heads: StridedShard(0, 3) on
+//                 tp gives rank j [q_j; k_j; v_j].
 //   Replicate     every rank holds the whole (sub-)tensor.
 //   Partial(op)   every rank holds a partial value; the global value is the
 //                 SUM (or AVG) over that mesh dim.
@@ -51,8 +58,8 @@ class Placement {
   // op: SUM or AVG (ArgumentError naming "op" otherwise).
   static Placement Partial(ReduceOp op = ReduceOp::SUM);
   // split_factor: >= 1 (ArgumentError naming "split_factor" otherwise); that
-  // it matches the mesh is checked where placements meet a mesh
-  // (ArgumentError naming "placements").
+  // it matches the mesh dims to its right, where some split the same dim, is
+  // checked where placements meet a mesh (ArgumentError naming "placements").
   static Placement StridedShard(int64_t dim, int64_t split_factor);
 
   Kind kind() const { return kind_; }

@@ -246,7 +246,10 @@ detail::ParamLayout make_layout(const std::string& name, const at::Tensor& param
   if (fsdp.is_shard()) {
     int64_t split = 1;
     for (int j = s + 1; j < spmd.ndim(); ++j) {
-      if (by_name.at(spmd.dim_names()[j]).is_shard(fsdp.dim())) split *= spmd.size(j);
+      const Placement& inner = by_name.at(spmd.dim_names()[j]);
+      if ((inner.is_shard() || inner.is_strided_shard()) && inner.dim() == fsdp.dim()) {
+        split *= spmd.size(j);
+      }
     }
     on_shard =
         split > 1 ? Placement::StridedShard(fsdp.dim(), split) : Placement::Shard(fsdp.dim());

@@ -160,7 +160,8 @@ std::vector<Placement> normalize_placements(const std::string& fn,
     for (size_t j = i + 1; j < out.size(); ++j) {
       if (split_dim(out[j]) == out[i].dim()) inner *= mesh.size(static_cast<int>(j));
     }
-    if (out[i].split_factor() != inner) {
+    // Nothing inside: the split factor is the number of fused pieces.
+    if (inner > 1 && out[i].split_factor() != inner) {
       throw ArgumentError("placements", fn + ": 'placements' " + placements_str(placements) +
                                             " has " + out[i].to_string() + " on mesh dim " +
                                             std::to_string(i) + " of " + mesh.to_string() +
@@ -168,10 +169,42 @@ std::vector<Placement> normalize_placements(const std::string& fn,
                                             "tensor dim " + std::to_string(out[i].dim()) +
                                             " have " + std::to_string(inner) +
                                             " ranks in all; accepted: split factor " +
-                                            std::to_string(inner));
+                                            std::to_string(inner) + " (any split factor "
+                                            "only when no dim to its right shards it)");
     }
   }
   return out;
+}
+
+// The fused pieces of mesh dim i: a StridedShard with no dim to its right
+// splitting the same tensor dim cuts the piece it splits into split_factor
+// equal parts and splits each one (a fused [q; k; v] weight sharded by
+// heads). 1 for every other placement, whose piece is one part.
+int64_t fused_pieces(const std::vector<Placement>& placements, int i) {
+  const Placement& p = placements[static_cast<size_t>(i)];
+  if (!p.is_strided_shard()) return 1;
+  for (size_t j = static_cast<size_t>(i) + 1; j < placements.size(); ++j) {
+    if (split_dim(placements[j]) == p.dim()) return 1;
+  }
+  return p.split_factor();
+}
+
+void check_fused(const std::vector<Placement>& placements, int64_t n, int64_t pieces) {
+  if (n % pieces != 0) {
+    throw ShapeError("placements", "DTensor: 'placements' " + placements_str(placements) +
+                                       " cut a dim of length " + std::to_string(n) + " into " +
+                                       std::to_string(pieces) + " equal fused pieces; " +
+                                       std::to_string(n) + " is not divisible by " +
+                                       std::to_string(pieces));
+  }
+}
+
+// Rows of a piece of length n that group rank r of k owns.
+int64_t split_length(const std::vector<Placement>& placements, int i, int64_t n, int64_t k,
+                     int64_t r) {
+  const int64_t pieces = fused_pieces(placements, i);
+  check_fused(placements, n, pieces);
+  return pieces * shard_extent(n / pieces, k, r).length;
 }
 
 // This rank's piece of a global tensor of `shape`: along each tensor dim,
@@ -181,7 +214,7 @@ std::vector<int64_t> local_shape(std::vector<int64_t> shape, const DeviceMesh& m
   for (size_t d = 0; d < shape.size(); ++d) {
     for (int j : nesting_order(placements, static_cast<int64_t>(d))) {
       const ProcessGroupPtr g = mesh.get_group(j);
-      shape[d] = shard_extent(shape[d], g->size(), g->rank()).length;
+      shape[d] = split_length(placements, j, shape[d], g->size(), g->rank());
     }
   }
   return shape;
@@ -194,7 +227,7 @@ int64_t piece_length(int64_t n, const DeviceMesh& mesh, const std::vector<Placem
   for (int j : nesting_order(placements, d)) {
     if (j == mesh_dim) break;
     const ProcessGroupPtr g = mesh.get_group(j);
-    n = shard_extent(n, g->size(), g->rank()).length;
+    n = split_length(placements, j, n, g->size(), g->rank());
   }
   return n;
 }
@@ -225,29 +258,49 @@ std::vector<int> innermost_first(std::vector<Placement> placements) {
 at::Tensor to_front(const at::Tensor& t, int64_t d) { return t.movedim(d, 0).contiguous(); }
 at::Tensor from_front(const at::Tensor& t, int64_t d) { return t.movedim(0, d).contiguous(); }
 
-// Zero padding: reductions over padded rows then stay zero and never leak
-// into a neighbour's rows.
-at::Tensor pad_rows(const at::Tensor& front, int64_t rows) {
-  if (front.size(0) == rows) return front;
+// [pieces * rows, rest...] <-> [pieces, rows, rest...] for fused pieces.
+at::Tensor split_pieces(const at::Tensor& front, int64_t pieces) {
   std::vector<int64_t> sizes = front.sizes().vec();
-  sizes[0] = rows;
-  at::Tensor padded = at::zeros(sizes, front.options());
-  padded.narrow(0, 0, front.size(0)).copy_(front);
+  sizes[0] /= pieces;
+  sizes.insert(sizes.begin(), pieces);
+  return front.reshape(sizes);
+}
+at::Tensor join_pieces(const at::Tensor& t) {
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[1] *= sizes[0];
+  sizes.erase(sizes.begin());
+  return t.reshape(sizes);
+}
+
+// Pads dim 1 of [pieces, rows, rest...] to `rows` with zeros: reductions
+// over padded rows then stay zero and never leak into a neighbour's rows.
+at::Tensor pad_piece_rows(const at::Tensor& t, int64_t rows) {
+  if (t.size(1) == rows) return t;
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[1] = rows;
+  at::Tensor padded = at::zeros(sizes, t.options());
+  padded.narrow(1, 0, t.size(1)).copy_(t);
   return padded;
 }
 
 // Shard(d) -> Replicate over `g`; `n` is the length along d of the piece
-// that the group splits.
-at::Tensor gather_shards(const at::Tensor& local, int64_t d, int64_t n, ProcessGroup& g) {
+// that the group splits, cut into `pieces` fused parts split one by one.
+at::Tensor gather_shards(const at::Tensor& local, int64_t d, int64_t n, int64_t pieces,
+                         ProcessGroup& g) {
   const int64_t k = g.size();
   if (k == 1) return local;
-  const int64_t c = shard_chunk(n, k);
-  const at::Tensor padded = pad_rows(to_front(local, d), c);
+  const int64_t c = shard_chunk(n / pieces, k);
+  const at::Tensor padded =
+      pad_piece_rows(split_pieces(to_front(local, d), pieces), c).contiguous();
   std::vector<int64_t> sizes = padded.sizes().vec();
-  sizes[0] = k * c;
+  sizes.insert(sizes.begin(), k);  // [k, pieces, c, rest...]
   at::Tensor out = at::empty(sizes, padded.options());
   g.all_gather_into_tensor(out, padded);
-  return from_front(out.narrow(0, 0, n), d);
+  // Piece-major: each part is the ranks' chunks in rank order.
+  std::vector<int64_t> part_sizes = padded.sizes().vec();
+  part_sizes[1] = k * c;
+  const at::Tensor parts = out.transpose(0, 1).reshape(part_sizes);
+  return from_front(join_pieces(parts.narrow(1, 0, n / pieces)), d);
 }
 
 // Partial(op) -> Replicate over `g`.
@@ -259,26 +312,35 @@ at::Tensor reduce_partial(const at::Tensor& local, ReduceOp op, ProcessGroup& g)
   return t;
 }
 
-// Partial(op) -> Shard(d) over `g`.
-at::Tensor reduce_scatter_shards(const at::Tensor& local, int64_t d, ReduceOp op,
-                                 ProcessGroup& g) {
+// Partial(op) -> Shard(d) over `g`, `pieces` fused parts split one by one.
+at::Tensor reduce_scatter_shards(const at::Tensor& local, int64_t d, int64_t pieces,
+                                 ReduceOp op, ProcessGroup& g) {
   const int64_t k = g.size();
   if (k == 1) return local;
-  const int64_t n = local.size(d);
+  const int64_t n = local.size(d) / pieces;
   const int64_t c = shard_chunk(n, k);
-  const at::Tensor padded = pad_rows(to_front(local, d), k * c);
-  std::vector<int64_t> sizes = padded.sizes().vec();
-  sizes[0] = c;
-  at::Tensor out = at::empty(sizes, padded.options());
-  g.reduce_scatter_tensor(out, padded, op);
-  return from_front(out.narrow(0, 0, shard_extent(n, k, g.rank()).length), d);
+  // [pieces, k*c, rest] -> [k, pieces, c, rest]: each rank's rows contiguous.
+  at::Tensor parts = pad_piece_rows(split_pieces(to_front(local, d), pieces), k * c);
+  std::vector<int64_t> sizes = parts.sizes().vec();
+  sizes[1] = c;
+  sizes.insert(sizes.begin() + 1, k);
+  const at::Tensor input = parts.reshape(sizes).transpose(0, 1).contiguous();
+  sizes.erase(sizes.begin() + 1);  // [pieces, c, rest]
+  at::Tensor out = at::empty(sizes, input.options());
+  g.reduce_scatter_tensor(out, input, op);
+  return from_front(join_pieces(out.narrow(1, 0, shard_extent(n, k, g.rank()).length)), d);
 }
 
 // Replicate -> Shard(d) over `g`. A copy, so that the shard does not pin the
 // whole tensor's storage.
-at::Tensor take_shard(const at::Tensor& t, int64_t d, const ProcessGroup& g) {
-  const ShardExtent e = shard_extent(t.size(d), g.size(), g.rank());
-  return t.narrow(d, e.offset, e.length).clone(at::MemoryFormat::Contiguous);
+at::Tensor take_shard(const at::Tensor& t, int64_t d, int64_t pieces, const ProcessGroup& g) {
+  if (pieces == 1) {
+    const ShardExtent e = shard_extent(t.size(d), g.size(), g.rank());
+    return t.narrow(d, e.offset, e.length).clone(at::MemoryFormat::Contiguous);
+  }
+  const at::Tensor parts = split_pieces(t.movedim(d, 0), pieces);
+  const ShardExtent e = shard_extent(parts.size(1), g.size(), g.rank());
+  return from_front(join_pieces(parts.narrow(1, e.offset, e.length)), d);
 }
 
 // Without a global shape: every rank's record (first offending world rank or
@@ -312,15 +374,19 @@ std::vector<int64_t> infer_global_shape(const at::Tensor& local, const DeviceMes
     };
     const Placement& p = placements[static_cast<size_t>(i)];
     const int64_t d = split_dim(p);
+    const int64_t pieces = fused_pieces(placements, i);
     int64_t total = 0;
     for (int64_t r = 0; r < k; ++r) {
       if (rec[r][0] >= 0) blame(rec[r][0]);
       if (d >= 0) total += rec[r][d + 1];
     }
+    // Every rank sees the same total, so all of them blame rank 0 alike.
+    if (total % pieces != 0) blame(g->world_ranks()[0]);
     for (int64_t r = 0; r < k; ++r) {
       const int64_t world_rank = g->world_ranks()[static_cast<size_t>(r)];
       for (int64_t e = 0; e < nd; ++e) {
-        const int64_t want = e == d ? shard_extent(total, k, r).length : rec[0][e + 1];
+        const int64_t want =
+            e == d ? pieces * shard_extent(total / pieces, k, r).length : rec[0][e + 1];
         if (rec[r][e + 1] != want) blame(world_rank);
       }
     }
@@ -444,7 +510,7 @@ DTensor DTensor::redistribute(const std::vector<Placement>& placements) const {
     const int64_t d = split_dim(cur[pick]);
     if (d >= 0) {
       t = gather_shards(t, d, piece_length(shape_[static_cast<size_t>(d)], *mesh_, cur, pick, d),
-                        *g);
+                        fused_pieces(cur, pick), *g);
     } else {
       t = reduce_partial(t, cur[pick].reduce_op(), *g);
     }
@@ -473,8 +539,11 @@ DTensor DTensor::redistribute(const std::vector<Placement>& placements) const {
     const Placement& want = target[pick];
     const int64_t d = split_dim(want);
     if (d >= 0) {
-      t = cur[pick].is_partial() ? reduce_scatter_shards(t, d, cur[pick].reduce_op(), *g)
-                                 : take_shard(t, d, *g);
+      const int64_t pieces = fused_pieces(target, pick);
+      check_fused(target, t.size(d), pieces);
+      t = cur[pick].is_partial()
+              ? reduce_scatter_shards(t, d, pieces, cur[pick].reduce_op(), *g)
+              : take_shard(t, d, pieces, *g);
     } else if (want.is_partial() && want.reduce_op() == ReduceOp::SUM && g->rank() != 0) {
       t = at::zeros_like(t);
     }
