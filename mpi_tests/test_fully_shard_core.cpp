@@ -2,7 +2,8 @@
 // dims (DTensor parameters sharded by TP included) round-trip bitwise;
 // several parameter groups in one unit train like a single card with the
 // exact collectives per group; unit lifecycles reject illegal transitions
-// and the step after one recovers; reshard returns device memory.
+// and the step after one recovers; reshard returns device memory; gradients
+// partial over tp are all-reduced there before FSDP reduces them.
 #include "l1_util.h"
 #include "spmd.h"
 #include "toy_models.h"
@@ -676,4 +677,105 @@ BOOST_AUTO_TEST_CASE(test_reshard_frees_device_memory) {
 #else
   BOOST_ERROR("a CUDA device without the NCCL backend built");
 #endif
+}
+
+// A parameter replicated over tp whose gradient is a partial sum there (a
+// sequence-parallel norm weight: each tp rank sees part of the sequence) is
+// all-reduced over tp, in reduce_dtype, before FSDP's reduce-scatter; a
+// tp-replicated parameter with identical gradients and a TP-sharded one get
+// no tp communication. Gradients equal a single-process autograd run of the
+// global objective (mean over dp rows of replicated + every tp part).
+BOOST_AUTO_TEST_CASE(test_partial_tp_gradients_reduced_over_tp) {
+  const int ws = spmd::world_size();
+  if (ws % 2 != 0) SPMD_SKIP("needs an even world size for tp = 2");
+  const int64_t dp = ws / 2, tp = 2, D = 6, S = 4;  // S rows per tp rank
+  const auto mesh = fsdp::init_device_mesh(spmd::device().type(), {dp, tp}, {"shard", "tp"});
+  const int64_t d = mesh.get_local_rank("shard"), j = mesh.get_local_rank("tp");
+  at::manual_seed(31);
+  const at::Tensor w0 = at::randn({D}), v0 = at::randn({3}), u0 = at::randn({2 * tp});
+  const at::Tensor x = at::randn({dp, tp * S, D}), c = at::randn({dp, 3}),
+                   z = at::randn({dp, 2 * tp});
+  // This rank's objective: the tp-replicated part plus its share of the rows.
+  auto objective = [&](const at::Tensor& w, const at::Tensor& v, const at::Tensor& u_local,
+                       int64_t row, int64_t part) {
+    const at::Tensor xs = x[row].narrow(0, part * S, S).to(w.device());
+    return (xs * w).pow(2).sum() * 0.5 + (v * c[row].to(v.device())).sum().pow(2) +
+           (u_local * z[row].narrow(0, part * 2, 2).to(u_local.device())).sum();
+  };
+  // Reference: every (row, part) on this process, mean over rows.
+  at::Tensor rw = w0.clone().requires_grad_(), rv = v0.clone().requires_grad_(),
+             ru = u0.clone().requires_grad_();
+  at::Tensor total = at::zeros({});
+  for (int64_t row = 0; row < dp; ++row) {
+    total = total + (rv * c[row]).sum().pow(2);
+    for (int64_t part = 0; part < tp; ++part) {
+      const at::Tensor xs = x[row].narrow(0, part * S, S);
+      total = total + (xs * rw).pow(2).sum() * 0.5 +
+              (ru.narrow(0, part * 2, 2) * z[row].narrow(0, part * 2, 2)).sum();
+    }
+  }
+  (total / static_cast<double>(dp)).backward();
+
+  for (const bool bf16 : {false, true}) {
+    BOOST_TEST_CONTEXT((bf16 ? "param_dtype bf16, reduce_dtype fp32" : "fp32")) {
+      const auto dev = spmd::device();
+      Layouts m(std::map<std::string, at::Tensor>{
+          {"norm_w", w0.to(dev)}, {"rep_v", v0.to(dev)}, {"tp_u", u0.narrow(0, j * 2, 2).to(dev)}});
+      fsdp::FullyShardOptions o;
+      o.mesh = mesh;
+      if (bf16) {
+        o.mp_policy.param_dtype = at::kBFloat16;
+        o.mp_policy.reduce_dtype = at::kFloat;
+      }
+      const auto tp_mesh = mesh["tp"];
+      o.dtensor_params = {
+          fsdp::DistributedParam(fsdp::DTensor::from_local(m->params.at("norm_w"), tp_mesh,
+                                                           {fsdp::Placement::Replicate()}, std::vector<int64_t>{D}),
+                                 {fsdp::Placement::Partial()}),
+          fsdp::DTensor::from_local(m->params.at("rep_v"), tp_mesh,
+                                    {fsdp::Placement::Replicate()}, std::vector<int64_t>{3}),
+          fsdp::DTensor::from_local(m->params.at("tp_u"), tp_mesh, {fsdp::Placement::Shard(0)},
+                                    std::vector<int64_t>{2 * tp})};
+      fsdp::FSDPModule unit = fsdp::fully_shard(m.ptr(), o);
+      unit.unshard();
+      fsdp::reset_collective_counters();
+      objective(m->params.at("norm_w"), m->params.at("rep_v"), m->params.at("tp_u"), d, j)
+          .backward();
+      unit.reshard();
+      const auto counts = fsdp::collective_counters();
+      const std::string tp_group = mesh.get_group("tp")->name();
+      BOOST_TEST(counts.count.at({"all_reduce", tp_group}) == 1);  // norm_w only
+      BOOST_TEST(counts.total("all_reduce", tp_group) == 1);
+      // In reduce_dtype (fp32) whatever the compute dtype: D floats.
+      BOOST_TEST(counts.bytes.at({"all_reduce", tp_group}) == D * 4);
+      l1::Report report(std::string("core partial tp grads ") + (bf16 ? "bf16" : "fp32"));
+      const double tol = bf16 ? 5e-2 : 1e-5;
+      const std::map<std::string, at::Tensor> want = {
+          {"norm_w", rw.grad()}, {"rep_v", rv.grad()}, {"tp_u", ru.grad()}};
+      for (auto& [name, dt] : unit.sharded_parameters()) {
+        const at::Tensor g = fsdp::DTensor::from_local(m->params.at(name).grad(),
+                                                       dt.device_mesh(), dt.placements(),
+                                                       dt.shape())
+                                 .full_tensor();
+        report.check(name + " grad vs single process", toy::max_abs_diff(host(g), want.at(name)),
+                     tol);
+      }
+      report.publish();
+    }
+  }
+  // Gradient placements that are not the parameter's, nor Partial where it
+  // is Replicate, and a wrong count, are typed errors.
+  const auto tp_mesh = mesh["tp"];
+  Layouts bad(std::map<std::string, at::Tensor>{{"tp_u", u0.narrow(0, j * 2, 2)}});
+  const fsdp::DTensor u = fsdp::DTensor::from_local(
+      bad->params.at("tp_u"), tp_mesh, {fsdp::Placement::Shard(0)}, std::vector<int64_t>{2 * tp});
+  fsdp::FullyShardOptions o;
+  o.mesh = mesh;
+  o.dtensor_params = {fsdp::DistributedParam(u, {fsdp::Placement::Partial()})};
+  l1::expect_error<fsdp::ArgumentError>([&] { fsdp::fully_shard(bad.ptr(), o); },
+                                        "dtensor_params", "Partial gradient of a Shard param");
+  o.dtensor_params = {
+      fsdp::DistributedParam(u, {fsdp::Placement::Shard(0), fsdp::Placement::Shard(0)})};
+  l1::expect_error<fsdp::ArgumentError>([&] { fsdp::fully_shard(bad.ptr(), o); },
+                                        "dtensor_params", "two grad placements on a 1-D mesh");
 }

@@ -184,7 +184,8 @@ bool same_ranks(const ProcessGroupPtr& a, const ProcessGroupPtr& b) {
 // dim splits the same tensor dim, FSDP's placement is a strided shard.
 detail::ParamLayout make_layout(const std::string& name, const at::Tensor& param,
                                 const Placement& fsdp, const DeviceMesh& mesh, FsdpDims dims,
-                                const DTensor* dt, size_t dt_index) {
+                                const DistributedParam* dp, size_t dt_index) {
+  const DTensor* dt = dp ? &dp->param : nullptr;
   detail::ParamLayout layout;
   layout.fsdp = fsdp;
   layout.shard_group = mesh.get_group(dims.shard);
@@ -236,6 +237,30 @@ detail::ParamLayout make_layout(const std::string& name, const at::Tensor& param
                                                   "; a parameter is Shard or Replicate");
       }
       by_name.insert_or_assign(tm.dim_names()[i], p);
+    }
+    if (!dp->grad_placements.empty() &&
+        static_cast<int>(dp->grad_placements.size()) != tm.ndim()) {
+      throw ArgumentError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
+                                                "') has " +
+                                                std::to_string(dp->grad_placements.size()) +
+                                                " grad_placements; expected none or one per "
+                                                "dim of " + tm.to_string());
+    }
+    for (size_t i = 0; i < dp->grad_placements.size(); ++i) {
+      const Placement& g = dp->grad_placements[i];
+      const Placement& p = dt->placements()[i];
+      if (g == p) continue;
+      if (!(p.is_replicate() && g.is_partial() && g.reduce_op() == ReduceOp::SUM)) {
+        throw ArgumentError("dtensor_params",
+                            "fully_shard: '" + which + "' ('" + name + "') has gradient "
+                            "placement " + g.to_string() + " where the parameter is " +
+                            p.to_string() + " on dim '" + tm.dim_names()[i] +
+                            "'; accepted: the parameter's placement, or Partial(sum) "
+                            "where it is Replicate()");
+      }
+      if (tm.size(static_cast<int>(i)) > 1) {
+        layout.grad_partial_groups.push_back(tm.get_group(static_cast<int>(i)));
+      }
     }
     layout.global_shape = dt->shape();
   } else {
@@ -366,11 +391,11 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
       const FsdpDims dims = choice.mesh ? fsdp_dims(group_mesh, options, "shard_placement_fn",
                                                     /*strict=*/false)
                                         : unit_dims;
-      const DTensor* dt = nullptr;
+      const DistributedParam* dt = nullptr;
       size_t dt_index = 0;
       if (auto it = dtensor_of.find(param.unsafeGetTensorImpl()); it != dtensor_of.end()) {
         dt_index = it->second;
-        dt = &options.dtensor_params[dt_index].param;
+        dt = &options.dtensor_params[dt_index];
         dtensor_used[dt_index] = true;
       }
       detail::ParamLayout layout =

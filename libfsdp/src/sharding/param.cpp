@@ -1,6 +1,7 @@
 // ShardedParam: shard layout, unshard/reshard by set_data, gradient capture.
 #include "sharding/param.h"
 
+#include "comm/process_group.h"
 #include "fsdp/errors.h"
 #include "runtime/torch_compat.h"
 
@@ -193,6 +194,29 @@ void ShardedParam::take_pass_grad() {
 }
 
 void ShardedParam::write_reduce_input(const at::Tensor& dst) const {
+  if (!layout_.grad_partial_groups.empty()) {
+    // Every member joins, with zeros where it has no gradient. The reduction
+    // group keeps these sums ordered among FSDP's own collectives, apart
+    // from the model's TP collectives on the same ranks.
+    at::Tensor g;
+    if (accumulated_grad_.defined()) {
+      g = pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
+    } else if (pass_grad_.defined()) {
+      g = pass_grad_.clone();
+    } else {
+      g = at::zeros(full_shape_, at::TensorOptions().dtype(reduce_dtype_).device(compute_device_));
+    }
+    g = g.contiguous();
+    for (const auto& group : layout_.grad_partial_groups) {
+      reduction_group_for(group)->all_reduce(g, ReduceOp::SUM);
+    }
+    if (layout_.fsdp.is_shard()) {
+      scatter_rows(dst, g.movedim(dim_, 0), chunk_, /*add=*/false);
+    } else {
+      dst.view(full_shape_).copy_(g);
+    }
+    return;
+  }
   const bool any = has_local_grad();
   if (!layout_.fsdp.is_shard()) {
     const at::Tensor d = dst.view(full_shape_);

@@ -37,6 +37,10 @@ struct ParamLayout {
   // Groups over which the gradient's shards are split (mesh dims that
   // shard the global tensor, size > 1): a norm sums over them.
   std::vector<ProcessGroupPtr> split_groups;
+  // Carried dims (size > 1) over which the parameter is replicated but its
+  // gradient is a partial sum (DistributedParam::grad_placements): the
+  // gradient is all-reduced over them before FSDP's own reduction.
+  std::vector<ProcessGroupPtr> grad_partial_groups;
 };
 
 class ShardedParam {
@@ -90,7 +94,9 @@ class ShardedParam {
   // Writes the gradient to reduce (accumulated + this pass; zeros where
   // none) into `dst`: [shard_size, block] (a row per destination rank, the
   // shard dim first, zero-padded) for Shard placements, [numel] otherwise.
-  // `dst` may be a strided view into a fused buffer: this is the only copy.
+  // `dst` may be a strided view into a fused buffer: this is the only copy
+  // (but for a gradient partial over carried dims, first summed over them,
+  // in reduce_dtype, which is collective over those groups).
   void write_reduce_input(const at::Tensor& dst) const;
   // The pass is over: reduced (sync) gradients are dropped; unsynchronised
   // ones join the accumulated gradient.
