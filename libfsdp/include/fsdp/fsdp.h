@@ -9,4 +9,5 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
 #include "fsdp/runtime.h"
+#include "fsdp/tensor_parallel.h"
 #include "fsdp/trace.h"
