@@ -803,6 +803,37 @@ BOOST_AUTO_TEST_CASE(distributed_params_of_the_layers) {
   }
 }
 
+// A fused [q; k; v] layer reports StridedShard(0, 3): its local rows are this
+// rank's heads of every block, and the DTensor rebuilds the plain order.
+BOOST_AUTO_TEST_CASE(distributed_params_of_a_fused_layer) {
+  for (const TpMesh& m : tp_meshes()) {
+    l1::Report rep("TP-dtensor-params fused " + m.label);
+    const int64_t k = m.size();
+    const uint64_t seed = 1300 + 1000 * static_cast<uint64_t>(m.row);
+    const at::Tensor W = randn({6 * k, 4}, seed), b = randn({6 * k}, seed + 1);
+    tp::ColumnParallelOptions o;
+    o.fused_pieces = 3;
+    tp::ColumnParallelLinear qkv(4, 6 * k, m.mesh, o);
+    qkv->load_full(W, b);
+    qkv->to(dev());
+    const std::vector<fsdp::DistributedParam> got = tp::dtensor_params(*qkv);
+    BOOST_TEST_REQUIRE(got.size() == 2u);
+    const at::Tensor full[] = {W, b};
+    const at::Tensor params[] = {qkv->weight, qkv->bias};
+    const std::string names[] = {"weight", "bias"};
+    for (size_t i = 0; i < 2; ++i) {
+      const fsdp::DistributedParam& d = got[i];
+      BOOST_TEST(d.param.to_local().is_same(params[i]), names[i] << ": not the param");
+      BOOST_TEST_REQUIRE(d.param.placements().size() == 1u);
+      BOOST_TEST((d.param.placements()[0] == Placement::StridedShard(0, 3)),
+                 names[i] << ": " << d.param.placements()[0].to_string());
+      BOOST_TEST(d.grad_placements.empty());
+      rep.check(names[i] + " full_tensor", diff(d.param.full_tensor(), full[i]), 0);
+    }
+    rep.publish();
+  }
+}
+
 // A unit that already manages a layer's parameters takes them out of the list,
 // and the rest is what fully_shard of the parent accepts.
 BOOST_AUTO_TEST_CASE(dtensor_params_skip_managed_layers) {
