@@ -44,8 +44,17 @@ inline ref::RunRecord load_reference(const ref::Case& c) {
 
 inline std::string mesh_text(const ref::RunSpec& spec) {
   if (spec.layout == ref::Layout::DDP) return "DDP";
-  if (spec.mesh_shape.size() == 1) return "FSDP 1-D (" + std::to_string(spec.mesh_shape[0]) + ")";
-  return "HSDP (" + std::to_string(spec.mesh_shape[0]) + "x" + std::to_string(spec.mesh_shape[1]) + ")";
+  std::string text =
+      spec.mesh_shape.size() == 1
+          ? "FSDP 1-D (" + std::to_string(spec.mesh_shape[0]) + ")"
+          : "HSDP (" + std::to_string(spec.mesh_shape[0]) + "x" +
+                std::to_string(spec.mesh_shape[1]) + ")";
+  if (spec.tp.size > 1) {
+    text += " + TP " + std::to_string(spec.tp.size);
+    if (spec.tp.sequence_parallel) text += " + SP";
+    if (spec.tp.loss_parallel) text += " + loss parallel";
+  }
+  return text;
 }
 
 inline ref::RunSpec fsdp(std::vector<int64_t> shape) {
@@ -78,7 +87,28 @@ struct Metrics {
   bool chunks = true;
   bool grads = true;
   bool params = true;
+  // > 0: AdamW's eps. Post-step parameters are then compared only where
+  // every step so far had a reference gradient of at least 100 eps. Below
+  // that, AdamW's update g / (|g| + eps) amplifies a gradient difference by
+  // up to lr / eps: an ulp-level reordering of a gradient that is itself
+  // ~eps (TP changes GEMM shapes) moves the parameter by ~1e-5 although the
+  // gradient agrees to 1e-9. Those elements' gradients are still compared
+  // (grads), and the excluded count is part of the metric's name.
+  double adam_eps = 0;
 };
+
+// Elements of `name` whose reference gradient stayed >= 100 * eps through
+// step k (all of them when eps is 0).
+inline at::Tensor well_conditioned(const ref::RunRecord& want, size_t k, const std::string& name,
+                                   double eps) {
+  at::Tensor mask;
+  for (size_t j = 0; j <= k; ++j) {
+    const at::Tensor g = want.steps[j].grads.at(name);
+    const at::Tensor ok = g.abs() >= 100 * eps;
+    mask = mask.defined() ? mask.logical_and(ok) : ok;
+  }
+  return mask;
+}
 
 inline double tensor_diff(const std::map<std::string, at::Tensor>& g,
                           const std::map<std::string, at::Tensor>& w, const std::string& name) {
@@ -119,7 +149,21 @@ inline void compare(l1::Report& report, const std::string& label, const ref::Run
     }
     if (m.params) {
       for (const auto& [name, t] : w.params) {
-        report.check(at + "param " + name + " after AdamW", tensor_diff(g.params, w.params, name), tol);
+        if (m.adam_eps <= 0 || !w.grads.count(name)) {
+          report.check(at + "param " + name + " after AdamW", tensor_diff(g.params, w.params, name),
+                       tol);
+          continue;
+        }
+        const at::Tensor keep = well_conditioned(want, k, name, m.adam_eps);
+        const int64_t skipped = keep.numel() - keep.sum().item<int64_t>();
+        auto it = g.params.find(name);
+        const double err = it == g.params.end() ? l1::kInf
+                                                : l1::diff(it->second.masked_select(keep),
+                                                           t.masked_select(keep));
+        report.check(at + "param " + name + " after AdamW (" + std::to_string(skipped) + " of " +
+                         std::to_string(keep.numel()) + " elements with |grad| < 100 eps left to "
+                         "the grad check)",
+                     err, tol);
       }
     }
   }

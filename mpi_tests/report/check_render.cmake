@@ -34,7 +34,7 @@ endmacro()
 expect("| FSDP 1-D, fp32 | 1e-5 | 1e-5 | L1-03, L2-01, L3-02, L3-04, L3-05 | L1-03 | 1 | 2.500e-7 | 40x | pass (partial) | L2-01, L3-02, L3-04, L3-05 |")
 expect("| FSDP 1-D, bf16 | 1e-3 | 1e-3 | L1-10, L1-11 | L1-10 | 1 | 2.000e-3 | 0.5x | FAIL (1 of 1) | L1-11 |")
 expect("| AC + swap + FSDP, fp32 | 1e-5 | 1e-5 | L2-06 | L2-06 | 1 | 0 | exact | pass | - |")
-expect("| TP + FSDP, fp32 | 1e-5 | 1e-5 | TP+FSDP end-to-end case (not written yet) | ours tp | 1 | 3.000e-6 | 3.33x | pass | - |")
+expect("| TP + FSDP, fp32 | 1e-5 | 1e-5 | TP-01 | ours tp | 1 | 3.000e-6 | 3.33x | pass (partial) | TP-01 |")
 expect("| HSDP 2-D, fp32 | 1e-5 | 1e-5 | L1-02, L3-01 | - | 0 | - | - | not run | L1-02, L3-01 |")
 expect("| PP + FSDP, fp32 | 1e-5 | 1e-5 | L2-09 | - | 0 | - | - | not run | L2-09 |")
 # Other cases (plan ids first), detail, separation, stand-ins.

@@ -66,7 +66,7 @@ const std::vector<Row>& plan_rows() {
       {"FSDP 1-D, fp32", 1e-5, 1e-5, {"L1-03", "L2-01", "L3-02", "L3-04", "L3-05"}, ""},
       {"FSDP 1-D, bf16", 1e-3, 1e-3, {"L1-10", "L1-11"}, ""},
       {"HSDP 2-D, fp32", 1e-5, 1e-5, {"L1-02", "L3-01"}, ""},
-      {"TP + FSDP, fp32", 1e-5, 1e-5, {}, "TP+FSDP end-to-end case (not written yet)"},
+      {"TP + FSDP, fp32", 1e-5, 1e-5, {"TP-01"}, ""},
       {"EP + FSDP, fp32", 1e-4, 1e-4, {"L2-10", "L3-03"}, ""},
       {"AC + FSDP, fp32", 1e-5, 1e-5, {"L2-03", "L2-04", "L2-05"}, ""},
       {"AC + swap + FSDP, fp32", 1e-5, 1e-5, {"L2-06"}, ""},

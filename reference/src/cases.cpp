@@ -4,7 +4,10 @@
 #include <models/init.h>
 #include <models/llm.h>
 #include <models/multimodal.h>
+#include <models/tp_llm.h>
 #include <models/vit.h>
+
+#include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 
@@ -51,11 +54,21 @@ std::shared_ptr<Impl> as(const std::shared_ptr<torch::nn::Module>& m) {
 
 std::vector<at::Tensor> params_of(const torch::nn::Module& m) { return m.parameters(); }
 
-// Shards each layer of a decoder, then the decoder itself.
-void shard_decoder(models::DecoderImpl& d, const std::string& prefix,
-                   const fsdp::FullyShardOptions& o, std::vector<Unit>& units) {
+// `o` plus the tensor-parallel parameters of `module` (none for plain models).
+fsdp::FullyShardOptions with_tp(const fsdp::FullyShardOptions& o, const torch::nn::Module& module) {
+  fsdp::FullyShardOptions out = o;
+  for (auto& p : fsdp::tp::dtensor_params(module)) out.dtensor_params.push_back(std::move(p));
+  return out;
+}
+
+// Shards each layer of a decoder (plain or TP form), then the decoder itself.
+template <typename Decoder>
+void shard_decoder(Decoder& d, const std::string& prefix, const fsdp::FullyShardOptions& o,
+                   std::vector<Unit>& units) {
   for (size_t i = 0; i < d.layers.size(); ++i) {
-    units.push_back({prefix + "layer" + std::to_string(i) + ".", fsdp::fully_shard(d.layers[i].holder(), o)});
+    auto& layer = d.layers[i].holder();
+    units.push_back({prefix + "layer" + std::to_string(i) + ".",
+                     fsdp::fully_shard(layer, with_tp(o, *layer.ptr()))});
   }
 }
 
@@ -81,12 +94,24 @@ class LlmDecoderCase : public Case {
     models::init_weights(*m, 1234);
     return m;
   }
+  std::shared_ptr<torch::nn::Module> build_tp(const fsdp::DeviceMesh& tp,
+                                              const TPSpec& spec) const override {
+    auto full = as<models::DecoderImpl>(build());
+    auto m = std::make_shared<models::TPDecoderImpl>(
+        cfg_, tp, models::TPOptions{spec.sequence_parallel, spec.loss_parallel});
+    m->load_full(*full);
+    return m;
+  }
   std::vector<Unit> shard(const std::shared_ptr<torch::nn::Module>& model,
                           const fsdp::FullyShardOptions& o) const override {
     std::vector<Unit> units;
-    auto d = as<models::DecoderImpl>(model);
-    shard_decoder(*d, "", o, units);
-    units.push_back({"", fsdp::fully_shard(model, o)});  // embedding + tied output + norm
+    if (auto t = std::dynamic_pointer_cast<models::TPDecoderImpl>(model)) {
+      shard_decoder(*t, "", o, units);
+    } else {
+      shard_decoder(*as<models::DecoderImpl>(model), "", o, units);
+    }
+    // embedding + tied output + norm
+    units.push_back({"", fsdp::fully_shard(model, with_tp(o, *model))});
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
@@ -94,9 +119,13 @@ class LlmDecoderCase : public Case {
     auto tokens = models::random_tokens(data_seed(1234, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
     tokens = models::rank_slice(tokens, rank, world);
+    const at::Tensor inputs = tokens.narrow(1, 0, cfg_.seq), targets = tokens.narrow(1, 1, cfg_.seq);
+    if (auto t = std::dynamic_pointer_cast<models::TPDecoderImpl>(model)) {
+      fsdp::Sharded<models::TPDecoder> net(t);
+      return {t->loss(net(inputs), targets), {}};
+    }
     fsdp::Sharded<models::Decoder> net(as<models::DecoderImpl>(model));
-    auto logits = net(tokens.narrow(1, 0, cfg_.seq));
-    return {models::lm_loss(logits, tokens.narrow(1, 1, cfg_.seq)), {}};
+    return {models::lm_loss(net(inputs), targets), {}};
   }
   std::vector<std::string> recorded() const override {
     return {"layer0.attn.qkv.weight", "layer3.ffn.w2.weight"};
@@ -262,6 +291,10 @@ const std::vector<std::pair<std::string, std::function<std::unique_ptr<Case>()>>
 }
 
 }  // namespace
+
+std::shared_ptr<torch::nn::Module> Case::build_tp(const fsdp::DeviceMesh&, const TPSpec&) const {
+  throw std::logic_error("reference case " + name() + " has no tensor-parallel form");
+}
 
 int64_t Case::steps() const { return config().at("steps").get<int64_t>(); }
 double Case::lr() const { return config().at("optimizer").at("lr").get<double>(); }

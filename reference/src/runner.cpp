@@ -101,21 +101,41 @@ class FullView {
 
 RunRecord run(const Case& c, const RunSpec& spec) {
   const World w = world_of(spec.layout);
-  auto model = c.build();
+  const int64_t tp = spec.layout == Layout::FSDP ? spec.tp.size : 1;
+  if (tp < 1 || w.size % tp != 0) {
+    throw std::invalid_argument("RunSpec.tp.size: expected a divisor of the world size " +
+                                std::to_string(w.size));
+  }
+  // Ranks of one tp group share a data slice: the data-parallel coordinate.
+  World data = w;
+  data.rank = w.rank / static_cast<int>(tp);
+  data.size = w.size / static_cast<int>(tp);
+  std::shared_ptr<torch::nn::Module> model;
   std::vector<Unit> units;
   if (spec.layout == Layout::FSDP) {
     int64_t product = 1;
     for (int64_t d : spec.mesh_shape) product *= d;
-    if (spec.mesh_shape.empty() || spec.mesh_shape.size() > 2 || product != w.size) {
-      throw std::invalid_argument("RunSpec.mesh_shape: expected {world} or {replicate, shard} "
-                                  "with product " + std::to_string(w.size));
+    if (spec.mesh_shape.empty() || spec.mesh_shape.size() > 2 || product * tp != w.size) {
+      throw std::invalid_argument("RunSpec.mesh_shape: expected {dp} or {replicate, shard} "
+                                  "with product " + std::to_string(w.size / tp));
+    }
+    std::vector<int64_t> shape = spec.mesh_shape;
+    std::vector<std::string> names = shape.size() == 1 ? std::vector<std::string>{"shard"}
+                                                       : std::vector<std::string>{"replicate",
+                                                                                  "shard"};
+    if (tp > 1) {
+      shape.push_back(tp);
+      names.push_back("tp");
     }
     fsdp::FullyShardOptions options;
-    options.mesh = spec.mesh_shape.size() == 1
-                       ? fsdp::init_device_mesh("cpu", spec.mesh_shape, {"shard"})
-                       : fsdp::init_device_mesh("cpu", spec.mesh_shape, {"replicate", "shard"});
+    options.mesh = fsdp::init_device_mesh("cpu", shape, names);
+    options.shard_dim = "shard";
+    if (shape.size() > 1 && names[0] == "replicate") options.replicate_dim = "replicate";
     options.reshard_after_forward = spec.reshard_after_forward;
+    model = tp > 1 ? c.build_tp((*options.mesh)["tp"], spec.tp) : c.build();
     units = c.shard(model, options);
+  } else {
+    model = c.build();
   }
   const auto cfg = c.config().at("optimizer");
   const auto betas = cfg.at("betas");
@@ -133,7 +153,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
   RunRecord record;
   for (int64_t step = 0; step < c.steps(); ++step) {
     opt.zero_grad();
-    LocalLoss out = c.forward(model, step, w.rank, w.size);
+    LocalLoss out = c.forward(model, step, data.rank, data.size);
     out.loss.backward();
     if (spec.layout == Layout::DDP) ddp_all_reduce(model->parameters(), w);
 

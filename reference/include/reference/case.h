@@ -32,11 +32,20 @@ namespace ref {
 
 enum class Layout { Single, DDP, FSDP };
 
+// Tensor parallelism under FSDP: the case's TP form on a tp dim appended to
+// the FSDP mesh (ranks of one tp group see the same data).
+struct TPSpec {
+  int64_t size = 1;  // 1: no TP
+  bool sequence_parallel = false;
+  bool loss_parallel = false;
+};
+
 struct RunSpec {
   Layout layout = Layout::Single;
-  // FSDP: {world} (1-D) or {replicate, shard} (HSDP); product = world size.
+  // FSDP: {dp} (1-D) or {replicate, shard} (HSDP); product * tp.size = world.
   std::vector<int64_t> mesh_shape;
   bool reshard_after_forward = true;
+  TPSpec tp;  // FSDP only
 };
 
 struct StepRecord {
@@ -76,11 +85,17 @@ class Case {
   virtual nlohmann::json config() const = 0;
   // The model, initialised from the seed (same on every rank).
   virtual std::shared_ptr<torch::nn::Module> build() const = 0;
+  // Its tensor-parallel form on the 1-D mesh `tp`, holding this rank's
+  // slices of build()'s values under the same names. std::logic_error for a
+  // case without one.
+  virtual std::shared_ptr<torch::nn::Module> build_tp(const fsdp::DeviceMesh& tp,
+                                                      const TPSpec& spec) const;
   // Applies fully_shard bottom-up (blocks, sub-model roots, the root last)
   // with `options` as the base, and returns every unit.
   virtual std::vector<Unit> shard(const std::shared_ptr<torch::nn::Module>& model,
                                   const fsdp::FullyShardOptions& options) const = 0;
-  // Forward on this rank's slice of step `step`'s global batch.
+  // Forward on slice `rank` of `world` of step `step`'s global batch (the
+  // data-parallel rank and size: tp ranks share a slice).
   virtual LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step,
                             int64_t rank, int64_t world) const = 0;
   // Parameters (full names) whose gradients and post-step values are recorded.

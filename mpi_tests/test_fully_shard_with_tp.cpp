@@ -1,0 +1,156 @@
+// Tensor parallelism composed with FSDP on the plan's LLM decoder (the
+// precision matrix's "TP + FSDP, fp32" row, case id TP-01): the decoder of
+// L3-01/L3-02 in its TP form (fused qkv by heads, SwiGLU, vocab-parallel
+// tied embedding/output; models/tp_llm.h), FSDP over the data-parallel dims:
+//   np 4  (dp=2, tp=2), plain TP, + sequence parallel, + loss parallel
+//   np 4  HSDP + TP (replicate=2, shard=1, tp=2), sequence parallel
+//   np 2  (dp=1, tp=2), plain TP and sequence + loss parallel
+// Each: 2 AdamW steps against the cached single-card reference of L3-01
+// (data/reference/cpu/llm_decoder.h5, the same model, data and optimizer)
+// and an independent DDP run over every rank: loss and global grad norm at
+// 1e-5 and, on their own, the recorded gradients and post-step parameters
+// elementwise at 1e-5; a rerun bitwise identical. Then the exact collectives
+// of one step on the tp and dp groups.
+#include "l3_util.h"
+#include "spmd.h"
+
+#include <fsdp/comm.h>
+#include <fsdp/mesh.h>
+
+#include <models/tp_llm.h>
+
+#include <iostream>
+#include <map>
+#include <string>
+
+namespace {
+
+constexpr double kTol = 1e-5;  // plan: TP + FSDP, fp32
+
+ref::RunSpec tp_spec(std::vector<int64_t> mesh, bool sp, bool lp) {
+  ref::RunSpec s = l3::fsdp(std::move(mesh));
+  s.tp.size = 2;
+  s.tp.sequence_parallel = sp;
+  s.tp.loss_parallel = lp;
+  return s;
+}
+
+// The TP layouts of one rank count against the reference and DDP, and the
+// first of them is rerun bitwise.
+void check_tp_layouts(const std::string& id, const std::vector<ref::RunSpec>& specs) {
+  auto c = ref::make_case("llm_decoder");
+  const ref::RunRecord single = l3::load_reference(*c);
+  BOOST_REQUIRE_GE(single.steps.size(), 2u);  // plan rule 4
+  for (const auto& name : c->recorded()) BOOST_REQUIRE(single.steps[0].grads.count(name) == 1);
+  const ref::RunRecord ddp = l3::timed_run(*c, l3::ddp());
+  l3::Metrics m;
+  m.adam_eps = c->config().at("optimizer").at("eps").get<double>();
+  l1::Report report(id);
+  l3::compare(report, "DDP baseline vs single card", ddp, single, kTol, m);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ref::RunRecord run = l3::timed_run(*c, specs[i]);
+    const std::string label = l3::mesh_text(specs[i]);
+    l3::compare(report, label + " vs single card", run, single, kTol, m);
+    l3::compare(report, label + " vs DDP", run, ddp, kTol, m);
+    if (i == 0) l3::check_bitwise(report, label, run, l3::timed_run(*c, specs[i]));
+  }
+  report.publish();
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp2_tp2) {
+  if (spmd::world_size() != 4) {
+    SPMD_SKIP("(dp=2, tp=2) needs 4 ranks; it runs in test_fully_shard_with_tp_np4");
+  }
+  check_tp_layouts("TP-01 (dp=2, tp=2)", {tp_spec({2}, false, false), tp_spec({2}, true, false),
+                                          tp_spec({2}, true, true)});
+}
+
+BOOST_AUTO_TEST_CASE(test_hsdp_tp_replicate2_shard1_tp2) {
+  if (spmd::world_size() != 4) {
+    SPMD_SKIP("(replicate=2, shard=1, tp=2) needs 4 ranks; it runs in "
+              "test_fully_shard_with_tp_np4");
+  }
+  check_tp_layouts("TP-01 HSDP (2x1, tp=2)", {tp_spec({2, 1}, true, false)});
+}
+
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp1_tp2) {
+  if (spmd::world_size() != 2) {
+    SPMD_SKIP("(dp=1, tp=2) needs 2 ranks; it runs in test_fully_shard_with_tp_np2");
+  }
+  check_tp_layouts("TP-01 (dp=1, tp=2)", {tp_spec({1}, false, false), tp_spec({1}, true, true)});
+}
+
+namespace {
+
+// (op, group) -> count of one forward + backward of the TP decoder on
+// (dp, tp) = (w/2, 2), with the options the runner uses.
+std::map<std::pair<std::string, std::string>, int64_t> step_counts(bool sp, bool lp,
+                                                                   std::string* tp_group,
+                                                                   std::string* dp_group) {
+  auto c = ref::make_case("llm_decoder");
+  const int64_t tp = 2, dp = spmd::world_size() / tp;
+  const auto mesh = fsdp::init_device_mesh("cpu", {dp, tp}, {"shard", "tp"});
+  fsdp::FullyShardOptions o;
+  o.mesh = mesh;
+  o.shard_dim = "shard";
+  ref::TPSpec spec;
+  spec.size = tp;
+  spec.sequence_parallel = sp;
+  spec.loss_parallel = lp;
+  auto model = c->build_tp(mesh["tp"], spec);
+  auto units = c->shard(model, o);
+  fsdp::reset_collective_counters();
+  c->forward(model, 0, mesh.get_local_rank("shard"), dp).loss.backward();
+  *tp_group = mesh.get_group("tp")->name();
+  *dp_group = mesh.get_group("shard")->name();
+  return fsdp::collective_counters().count;
+}
+
+}  // namespace
+
+// Exact collectives of one forward + backward, derived from the model (L
+// layers of 7 parameters: 2 norms, qkv, proj, w1, w3, w2; the root holds the
+// tied embedding and the final norm):
+//  dp  one all-gather per parameter in forward and again in backward
+//      (reshard_after_forward), one reduce-scatter per parameter;
+//  tp  without SP: forward all-reduces after the embedding and each proj /
+//      w2 (1 + 2L), backward all-reduces the inputs of qkv, w1, w3 and the
+//      tied output (3L + 1); the logits gather once unless loss parallel;
+//      with SP: the embedding, proj and w2 reduce-scatter (1 + 2L) and the
+//      inputs of qkv, w1, w3 and the output all-gather (3L + 1), each the
+//      other way round in backward, and the 2L + 1 norm weights' partial
+//      gradients are all-reduced; loss parallel adds 2 all-reduces (the row
+//      max, then the sum of exponentials and target logit together).
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_collective_counts) {
+  if (spmd::world_size() % 2 != 0) SPMD_SKIP("needs an even world size for tp = 2");
+  const int64_t L = 4, params = 7 * L + 2;
+  for (bool sp : {false, true}) {
+    for (bool lp : {false, true}) {
+      BOOST_TEST_CONTEXT("sequence_parallel " << sp << ", loss_parallel " << lp) {
+        std::string tpg, dpg;
+        const auto counts = step_counts(sp, lp, &tpg, &dpg);
+        std::map<std::pair<std::string, std::string>, int64_t> want;
+        if (spmd::world_size() > 2) {
+          want[{"all_gather", dpg}] = 2 * params;
+          want[{"reduce_scatter", dpg}] = params;
+        }
+        const int64_t lp_all_reduces = lp ? 2 : 0;
+        const int64_t logits_gather = lp ? 0 : 1;
+        if (!sp) {
+          want[{"all_reduce", tpg}] = (1 + 2 * L) + (3 * L + 1) + lp_all_reduces;
+          if (logits_gather) want[{"all_gather", tpg}] = logits_gather;
+        } else {
+          want[{"reduce_scatter", tpg}] = (1 + 2 * L) + (3 * L + 1);
+          want[{"all_gather", tpg}] = (3 * L + 1) + (1 + 2 * L) + logits_gather;
+          want[{"all_reduce", tpg}] = (2 * L + 1) + lp_all_reduces;
+        }
+        BOOST_TEST(counts == want);
+        for (const auto& [k, v] : counts) {
+          BOOST_TEST_MESSAGE(k.first << " on " << k.second << ": " << v);
+        }
+      }
+    }
+  }
+}
