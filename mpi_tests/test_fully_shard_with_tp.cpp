@@ -16,6 +16,7 @@
 #include "spmd.h"
 
 #include <fsdp/comm.h>
+#include <fsdp/errors.h>
 #include <fsdp/mesh.h>
 
 #include <models/init.h>
@@ -236,4 +237,33 @@ BOOST_AUTO_TEST_CASE(test_tp_fsdp_state_dicts) {
   for (size_t i = 0; i < units.size(); ++i) units[i].module.load_state_dict(saved[i]);
   BOOST_TEST(check_same(full_state(units), plain_values) ==
              static_cast<int64_t>(plain_values.size()));
+}
+
+// Shapes that do not split over tp are typed errors naming the argument.
+BOOST_AUTO_TEST_CASE(test_tp_decoder_shape_errors) {
+  if (spmd::world_size() % 2 != 0) SPMD_SKIP("needs an even world size for tp = 2");
+  const auto mesh = fsdp::init_device_mesh("cpu", {spmd::world_size() / 2, 2}, {"shard", "tp"});
+  auto attempt = [&](models::DecoderConfig cfg, bool sp, const std::string& argument) {
+    bool thrown = false;
+    try {
+      models::TPDecoder(cfg, mesh["tp"], models::TPOptions{sp, false});
+    } catch (const fsdp::ShapeError& e) {
+      thrown = true;
+      BOOST_TEST(e.argument() == argument, e.what());
+    }
+    BOOST_TEST(thrown, "no ShapeError naming " << argument);
+  };
+  models::DecoderConfig cfg;
+  cfg.heads = 3;
+  cfg.hidden = 96;
+  attempt(cfg, false, "heads");
+  cfg = {};
+  cfg.vocab = 1023;
+  attempt(cfg, false, "num_embeddings");
+  cfg = {};
+  cfg.seq = 127;
+  attempt(cfg, true, "seq");
+  cfg = {};
+  cfg.ffn = 66 * 3 + 1;  // 199 columns
+  attempt(cfg, false, "out_features");
 }
