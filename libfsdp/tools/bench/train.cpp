@@ -1,8 +1,10 @@
 // fsdp-bench train: one training step of the test plan's LLM decoder under
-// single-process, a plain DDP baseline and three FSDP configurations, in one
-// run, on the same model, seed and global batch.
+// single-process, a plain DDP baseline, three FSDP configurations and FSDP
+// composed with tensor parallelism, in one run, on the same model, seed and
+// global batch.
 //
-// Every configuration builds a fresh models::Decoder from the same seed and
+// Every configuration builds a fresh models::Decoder from the same seed (the
+// TP configurations copy their slices of it into a models::TPDecoder) and
 // trains it with AdamW (zero_grad, forward, backward, step per iteration).
 // The configurations run interleaved step by step (the harness's
 // time_interleaved), so load drift hits them alike. Memory is measured by a
@@ -13,9 +15,11 @@
 #include "fsdp/comm.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
+#include "fsdp/tensor_parallel.h"
 
 #include <models/init.h>
 #include <models/llm.h>
+#include <models/tp_llm.h>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -27,6 +31,7 @@
 #include <torch/version.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <array>
@@ -34,6 +39,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -155,11 +161,12 @@ struct Options {
   uint64_t seed = 1234;
   double lr = 1e-3;
   bool forward_prefetch = false;
+  int tp = 0;  // 0: 2 when the world size is even, else the TP configs are skipped
   std::vector<std::string> configs;
   std::string json_path;
 };
 
-enum class Kind { Single, Ddp, Fsdp };
+enum class Kind { Single, Ddp, Fsdp, FsdpTp };
 
 struct ConfigSpec {
   std::string key;
@@ -167,6 +174,7 @@ struct ConfigSpec {
   bool reshard_after_forward;
   bool comm_fusion;
   std::string legend;
+  models::TPOptions tp{};  // FsdpTp only
 };
 
 const std::vector<ConfigSpec>& all_configs() {
@@ -183,6 +191,15 @@ const std::vector<ConfigSpec>& all_configs() {
        "fully_shard each decoder layer then the root, reshard_after_forward=true"},
       {"fsdp-no-reshard", Kind::Fsdp, false, false, "as fsdp, reshard_after_forward=false"},
       {"fsdp-fused", Kind::Fsdp, true, true, "as fsdp, comm_fusion=true"},
+      {"fsdp-tp", Kind::FsdpTp, true, false,
+       "models::TPDecoder (Megatron column/row-parallel layers, vocab-parallel tied "
+       "embedding; the same initial weights, sliced) over tp on a (shard, tp) mesh, then as "
+       "fsdp over shard; the tp ranks of one shard coordinate take the same batch slice",
+       {/*sequence_parallel=*/false, /*loss_parallel=*/false}},
+      {"fsdp-tp-sp", Kind::FsdpTp, true, false,
+       "as fsdp-tp, sequence parallel (activations between blocks split over tp on seq) and "
+       "loss parallel (cross-entropy on the vocab slices; the logits are never gathered)",
+       {/*sequence_parallel=*/true, /*loss_parallel=*/true}},
   };
   return table;
 }
@@ -191,48 +208,95 @@ int64_t nbytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
-// One configuration's model, optimizer and step.
+// fully_shard each layer of a decoder (plain or TP form), then the root
+// (embedding + tied output + final norm). A TP module's parameters must be
+// handed over as DTensors right before its own fully_shard, bottom-up; the
+// plain decoder has none.
+template <typename DecoderHolder>
+fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
+                                           const fsdp::FullyShardOptions& fo,
+                                           bool forward_prefetch) {
+  auto with_tp = [&fo](const torch::nn::Module& module) {
+    fsdp::FullyShardOptions out = fo;
+    out.dtensor_params = fsdp::tp::dtensor_params(module);
+    return out;
+  };
+  std::vector<fsdp::FSDPModule> units;
+  for (auto& layer : decoder->layers) {
+    units.push_back(fsdp::fully_shard(layer.holder(), with_tp(*layer.holder().ptr())));
+  }
+  fsdp::Sharded<DecoderHolder> net = fsdp::fully_shard(decoder, with_tp(*decoder));
+  if (forward_prefetch) {
+    // Each unit's forward issues the next one's all-gather; the root's
+    // issues the first layer's.
+    units.insert(units.begin(), *fsdp::fsdp_module_of(*decoder));
+    for (size_t i = 0; i + 1 < units.size(); ++i) {
+      units[i].set_modules_to_forward_prefetch({units[i + 1]});
+    }
+  }
+  return net;
+}
+
+// One configuration's model, optimizer and step. `mesh`: (shard) for Fsdp,
+// (shard, tp) for FsdpTp, unused otherwise.
 class Trainer {
  public:
   Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
           const Options& o, const std::optional<fsdp::DeviceMesh>& mesh, MPI_Comm comm)
       : spec_(spec), account_(account), comm_(comm) {
     MPI_Comm_size(comm, &world_);
-    const CountingAllocator::Scope scope(account_);
-    decoder_ = models::Decoder(cfg);
-    models::init_weights(*decoder_, o.seed);
-    if (spec.kind == Kind::Fsdp) {
-      fsdp::FullyShardOptions fo;
-      fo.mesh = mesh;
-      fo.reshard_after_forward = spec.reshard_after_forward;
-      fo.comm_fusion = spec.comm_fusion;
-      std::vector<fsdp::FSDPModule> units;
-      for (auto& layer : decoder_->layers) units.push_back(fsdp::fully_shard(layer.holder(), fo));
-      net_ = fsdp::fully_shard(decoder_, fo);  // embedding + tied output + final norm
-      if (o.forward_prefetch) {
-        // Each unit's forward issues the next one's all-gather; the root's
-        // issues the first layer's.
-        units.insert(units.begin(), *fsdp::fsdp_module_of(*decoder_));
-        for (size_t i = 0; i + 1 < units.size(); ++i) {
-          units[i].set_modules_to_forward_prefetch({units[i + 1]});
-        }
-      }
-    } else {
-      net_ = fsdp::Sharded<models::Decoder>(decoder_);  // not sharded: simply forwards
+    if (spec.kind != Kind::Single) {
+      MPI_Comm_rank(comm, &data_rank_);
+      data_size_ = world_;
     }
-    optimizer_ = std::make_unique<torch::optim::AdamW>(decoder_->parameters(),
+    const CountingAllocator::Scope scope(account_);
+    models::Decoder decoder(cfg);
+    models::init_weights(*decoder, o.seed);
+    fsdp::FullyShardOptions fo;
+    fo.mesh = mesh;
+    fo.shard_dim = "shard";
+    fo.reshard_after_forward = spec.reshard_after_forward;
+    fo.comm_fusion = spec.comm_fusion;
+    if (spec.kind == Kind::FsdpTp) {
+      tp_group_ = mesh->get_group("tp")->name();
+      data_rank_ = mesh->get_local_rank("shard");
+      data_size_ = static_cast<int>(mesh->size("shard"));
+      models::TPDecoder tp(cfg, (*mesh)["tp"], spec.tp);
+      tp->load_full(*decoder);
+      auto net = shard_decoder(tp, fo, o.forward_prefetch);
+      loss_ = [net, tp](const at::Tensor& inputs, const at::Tensor& targets) mutable {
+        return tp->loss(net(inputs), targets);
+      };
+      model_ = tp.ptr();
+    } else {
+      // Not sharded (single, ddp): Sharded simply forwards.
+      fsdp::Sharded<models::Decoder> net =
+          spec.kind == Kind::Fsdp ? shard_decoder(decoder, fo, o.forward_prefetch)
+                                  : fsdp::Sharded<models::Decoder>(decoder);
+      loss_ = [net](const at::Tensor& inputs, const at::Tensor& targets) mutable {
+        return models::lm_loss(net(inputs), targets);
+      };
+      model_ = decoder.ptr();
+    }
+    optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(),
                                                        torch::optim::AdamWOptions(o.lr));
     if (spec.kind == Kind::Ddp) {
       int64_t total = 0;
-      for (const auto& p : decoder_->parameters()) total += p.numel();
+      for (const auto& p : model_->parameters()) total += p.numel();
       if (total > INT_MAX) throw std::invalid_argument("DDP bucket above INT_MAX elements");
-      bucket_ = at::zeros({total}, decoder_->parameters().front().options());
+      bucket_ = at::zeros({total}, model_->parameters().front().options());
     }
   }
 
   const ConfigSpec& spec() const { return spec_; }
   int account() const { return account_; }
-  bool data_parallel() const { return spec_.kind != Kind::Single; }
+  // Name of the tp process group; empty without TP.
+  const std::string& tp_group() const { return tp_group_; }
+  // This rank's share of a global batch: the whole of it for single, the
+  // slice of its data-parallel coordinate otherwise.
+  at::Tensor share(const at::Tensor& global) const {
+    return models::rank_slice(global, data_rank_, data_size_);
+  }
 
   // One training step on `inputs` -> `targets` (this rank's share). With
   // `record`, appends its phase times to phase_us().
@@ -241,7 +305,7 @@ class Trainer {
     const CountingAllocator::Scope scope(account_);
     const auto t0 = Clock::now();
     optimizer_->zero_grad();
-    at::Tensor loss = models::lm_loss(net_(inputs), targets);
+    at::Tensor loss = loss_(inputs, targets);
     const auto t1 = Clock::now();
     loss.backward();
     const auto t2 = Clock::now();
@@ -272,7 +336,7 @@ class Trainer {
   };
   Persistent persistent() const {
     Persistent out;
-    for (const auto& p : decoder_->parameters()) {
+    for (const auto& p : model_->parameters()) {
       out.params += nbytes(p);
       out.grads += nbytes(p.grad());
     }
@@ -286,7 +350,7 @@ class Trainer {
  private:
   // The whole DDP synchronisation: flatten, one MPI_Allreduce, mean, unflatten.
   void all_reduce_gradients() {
-    const auto params = decoder_->parameters();
+    const auto params = model_->parameters();
     int64_t offset = 0;
     for (const auto& p : params) {
       at::Tensor slot = bucket_.narrow(0, offset, p.numel());
@@ -314,8 +378,11 @@ class Trainer {
   int account_;
   MPI_Comm comm_;
   int world_ = 1;
-  models::Decoder decoder_{nullptr};
-  fsdp::Sharded<models::Decoder> net_;
+  int data_rank_ = 0, data_size_ = 1;
+  std::string tp_group_;
+  std::shared_ptr<torch::nn::Module> model_;
+  // Forward and mean cross-entropy of this rank's share.
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   at::Tensor bucket_;  // DDP only
   at::Tensor last_loss_;
@@ -341,6 +408,7 @@ std::vector<Column> columns() {
       {"sync_ms", "sync", "(ms)", 7, 1, "phases (median)"},
       {"optimizer_ms", "optim", "(ms)", 7, 1, "phases (median)"},
       {"collectives_per_step", "AG/RS/AR", "per step", 9, -1, ""},
+      {"tp_collectives_per_step", "tp AG/RS/AR", "per step", 11, -1, ""},
       {"persistent_bytes", "", "", 0, -1, mem},
       {"params_bytes", "", "", 0, -1, mem},
       {"grads_bytes", "", "", 0, -1, mem},
@@ -377,11 +445,23 @@ int run(const Options& o, const fsdp::Runtime& rt) {
       specs.push_back(s);
     }
   }
+  const int tp = o.tp > 0 ? o.tp : 2;
+  auto is_tp = [](const ConfigSpec& s) { return s.kind == Kind::FsdpTp; };
+  std::string tp_skipped;
+  if (o.tp == 0 && world % tp != 0 && std::any_of(specs.begin(), specs.end(), is_tp)) {
+    tp_skipped = fmt::format("fsdp-tp, fsdp-tp-sp skipped: the default --tp 2 needs an even "
+                             "world size, not {}",
+                             world);
+    specs.erase(std::remove_if(specs.begin(), specs.end(), is_tp), specs.end());
+  }
+  const bool any_tp = std::any_of(specs.begin(), specs.end(), is_tp);
   const bool any_parallel = std::any_of(specs.begin(), specs.end(),
                                         [](const ConfigSpec& s) { return s.kind != Kind::Single; });
   std::string bad;
   if (any_parallel && o.batch % world != 0) {
     bad = fmt::format("--batch {} is not a multiple of the world size {}", o.batch, world);
+  } else if (any_tp && world % tp != 0) {
+    bad = fmt::format("--tp {} does not divide the world size {}", tp, world);
   } else if (cfg.hidden % cfg.heads != 0) {
     bad = fmt::format("--hidden {} is not a multiple of --heads {}", cfg.hidden, cfg.heads);
   }
@@ -413,6 +493,9 @@ int run(const Options& o, const fsdp::Runtime& rt) {
               o.forward_prefetch ? "FSDP configs: explicit forward prefetch of the next unit"
                                  : "");
   add_runtime_meta(report, rt);
+  report.meta("tp", any_tp ? nlohmann::json(tp) : nlohmann::json(nullptr),
+              any_tp ? fmt::format("fsdp-tp*: mesh (shard={}, tp={})", world / tp, tp)
+                     : tp_skipped);
   for (const ConfigSpec& s : specs) report.note(fmt::format("{:>16}: {}", s.key, s.legend));
   report.note("step: zero_grad + forward + loss + backward (+ DDP all-reduce) + AdamW step; "
               "each step after a barrier; time = slowest rank; configs interleaved step by "
@@ -423,59 +506,61 @@ int run(const Options& o, const fsdp::Runtime& rt) {
               "at the highest point of a step (max over timed steps and ranks; BLAS and MPI "
               "scratch not counted)");
   report.note("phases (median over steps of the slowest rank): fwd = zero_grad + forward + "
-              "loss (FSDP: with its all-gather waits), bwd = backward (FSDP: with its "
-              "reduce-scatters), sync = DDP's all-reduce, optim = AdamW step");
+              "loss (FSDP: with its all-gather waits; TP: with its tp collectives), bwd = "
+              "backward (FSDP: with its reduce-scatters), sync = DDP's all-reduce, optim = "
+              "AdamW step");
   report.note("AG/RS/AR = libfsdp all-gathers / reduce-scatters / all-reduces per step (one "
-              "extra untimed step); DDP's single MPI_Allreduce is outside libfsdp");
-
-  // The data: one global batch per round, the same for every configuration.
-  const int rounds = o.timing.warmup + o.timing.iters;
-  struct Batch {
-    at::Tensor full_in, full_target, mine_in, mine_target;
-  };
-  std::vector<Batch> data;
-  for (int r = 0; r < rounds + 1; ++r) {
-    at::Tensor tokens =
-        models::random_tokens(o.seed * 1000 + static_cast<uint64_t>(r), o.batch, cfg.seq + 1,
-                              cfg.vocab);
-    Batch b;
-    b.full_in = tokens.narrow(1, 0, cfg.seq).contiguous();
-    b.full_target = tokens.narrow(1, 1, cfg.seq).contiguous();
-    if (o.batch % world == 0) {
-      b.mine_in = models::rank_slice(b.full_in, rank, world);
-      b.mine_target = models::rank_slice(b.full_target, rank, world);
-    }
-    data.push_back(std::move(b));
+              "extra untimed step) on every group but tp: FSDP's, over shard (a size-1 dim "
+              "issues none); DDP's single MPI_Allreduce is outside libfsdp");
+  if (any_tp) {
+    report.note("tp AG/RS/AR = the same on the tp group: TP's activation collectives and "
+                "FSDP's all-reduce of gradients partial over tp (the SP norm weights)");
   }
 
-  std::optional<fsdp::DeviceMesh> mesh;
+  std::optional<fsdp::DeviceMesh> mesh, tp_mesh;
   if (std::any_of(specs.begin(), specs.end(),
                   [](const ConfigSpec& s) { return s.kind == Kind::Fsdp; })) {
     mesh = fsdp::init_device_mesh("cpu", {world}, {"shard"});
   }
+  if (any_tp) tp_mesh = fsdp::init_device_mesh("cpu", {world / tp, tp}, {"shard", "tp"});
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (size_t i = 0; i < specs.size(); ++i) {
-    trainers.push_back(
-        std::make_unique<Trainer>(specs[i], static_cast<int>(i) + 1, cfg, o, mesh, comm));
+    trainers.push_back(std::make_unique<Trainer>(specs[i], static_cast<int>(i) + 1, cfg, o,
+                                                 is_tp(specs[i]) ? tp_mesh : mesh, comm));
+  }
+  const size_t n = trainers.size();
+
+  // The data: one global batch per round (one more for counting
+  // collectives), the same for every configuration, as each one's share on
+  // this rank.
+  const int rounds = o.timing.warmup + o.timing.iters;
+  struct Batch {
+    at::Tensor inputs, targets;
+  };
+  std::vector<std::vector<Batch>> data(n);  // [config][round]
+  for (int r = 0; r < rounds + 1; ++r) {
+    at::Tensor tokens =
+        models::random_tokens(o.seed * 1000 + static_cast<uint64_t>(r), o.batch, cfg.seq + 1,
+                              cfg.vocab);
+    const at::Tensor inputs = tokens.narrow(1, 0, cfg.seq);
+    const at::Tensor targets = tokens.narrow(1, 1, cfg.seq);
+    for (size_t i = 0; i < n; ++i) {
+      data[i].push_back({trainers[i]->share(inputs), trainers[i]->share(targets)});
+    }
   }
 
   // Each variant counts its own calls: time_interleaved calls every variant
   // once per round, warm-up rounds first.
-  const size_t n = trainers.size();
   std::vector<int> calls(n, 0);
   std::vector<int64_t> step_peak(n, 0), held(n, 0);
   std::vector<std::function<void()>> variants;
   for (size_t i = 0; i < n; ++i) {
     variants.push_back([&, i] {
       Trainer& t = *trainers[i];
-      const Batch& b = data[static_cast<size_t>(calls[i])];
+      const Batch& b = data[i][static_cast<size_t>(calls[i])];
       const bool timed = calls[i]++ >= o.timing.warmup;
       if (timed) alloc.reset_peak(t.account());
-      if (t.data_parallel()) {
-        t.step(b.mine_in, b.mine_target, timed);
-      } else {
-        t.step(b.full_in, b.full_target, timed);
-      }
+      t.step(b.inputs, b.targets, timed);
       if (timed) {
         step_peak[i] = std::max(step_peak[i], alloc.peak(t.account()));
         held[i] = alloc.live(t.account());
@@ -509,22 +594,24 @@ int run(const Options& o, const fsdp::Runtime& rt) {
       phase_ms[i][ph] = summarize(column).median_us / 1e3;
     }
   }
-  std::vector<std::array<int64_t, 4>> comm_counts(n);  // AG, RS, AR, bytes
+  // Per config: AG, RS, AR off the tp group, the same on it, bytes.
+  std::vector<std::array<int64_t, 7>> comm_counts(n);
   for (size_t i = 0; i < n; ++i) {
     MPI_Barrier(comm);
     fsdp::reset_collective_counters();
-    const Batch& b = data.back();
-    if (trainers[i]->data_parallel()) {
-      trainers[i]->step(b.mine_in, b.mine_target);
-    } else {
-      trainers[i]->step(b.full_in, b.full_target);
-    }
+    const Batch& b = data[i].back();
+    trainers[i]->step(b.inputs, b.targets);
     const fsdp::CollectiveCounters c = fsdp::collective_counters();
     int64_t bytes = 0;
     for (const auto& entry : c.bytes) bytes += entry.second;
     if (trainers[i]->spec().kind == Kind::Ddp) bytes = trainers[i]->persistent().grads;
-    comm_counts[i] = {c.total("all_gather"), c.total("reduce_scatter"), c.total("all_reduce"),
-                      bytes};
+    const std::string& tpg = trainers[i]->tp_group();
+    // total(op, "") would be every group's.
+    auto on_tp = [&](const char* op) { return tpg.empty() ? 0 : c.total(op, tpg); };
+    const int64_t ag = on_tp("all_gather"), rs = on_tp("reduce_scatter"),
+                  ar = on_tp("all_reduce");
+    comm_counts[i] = {c.total("all_gather") - ag, c.total("reduce_scatter") - rs,
+                      c.total("all_reduce") - ar, ag, rs, ar, bytes};
   }
 
   auto find = [&](const std::string& key) -> std::optional<size_t> {
@@ -543,16 +630,20 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   for (size_t i = 0; i < n; ++i) {
     const int64_t* m = &mem[i * 6];
     const double ms = stats[i].median_us / 1e3;
-    const std::string colls =
-        trainers[i]->spec().kind == Kind::Ddp
-            ? std::string("0/0/0+1")
-            : fmt::format("{}/{}/{}", comm_counts[i][0], comm_counts[i][1], comm_counts[i][2]);
+    const auto& cc = comm_counts[i];
+    const std::string colls = trainers[i]->spec().kind == Kind::Ddp
+                                  ? std::string("0/0/0+1")
+                                  : fmt::format("{}/{}/{}", cc[0], cc[1], cc[2]);
+    const std::string tp_colls = trainers[i]->tp_group().empty()
+                                     ? std::string("-")
+                                     : fmt::format("{}/{}/{}", cc[3], cc[4], cc[5]);
     report.row({specs[i].key, ms, stats[i].min_us / 1e3, stats[i].max_us / 1e3,
                 ratio_or_dash(ms, ddp_ms), ratio_or_dash(ms, single_ms),
-                static_cast<double>(m[0]) / kMiB, ratio_or_dash(static_cast<double>(m[0]), ideal_share),
+                static_cast<double>(m[0]) / kMiB,
+                ratio_or_dash(static_cast<double>(m[0]), ideal_share),
                 static_cast<double>(m[4]) / kMiB, static_cast<double>(m[5]) / kMiB,
-                phase_ms[i][0], phase_ms[i][1], phase_ms[i][2], phase_ms[i][3], colls, m[0],
-                m[1], m[2], m[3], m[4], m[5], comm_counts[i][3], losses[i]});
+                phase_ms[i][0], phase_ms[i][1], phase_ms[i][2], phase_ms[i][3], colls, tp_colls,
+                m[0], m[1], m[2], m[3], m[4], m[5], cc[6], losses[i]});
   }
   if (ddp) {
     report.note(fmt::format("{:>16}: '+1' = its one raw MPI_Allreduce of {:.2f} MiB per step",
@@ -590,7 +681,7 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     std::string text;
     bool fsdp_met = true;
     for (size_t i = 0; i < n; ++i) {
-      if (specs[i].kind != Kind::Fsdp) continue;
+      if (specs[i].kind != Kind::Fsdp && specs[i].kind != Kind::FsdpTp) continue;
       const double r = static_cast<double>(mem[i * 6]) / ideal_share;
       per[specs[i].key] = r;
       fsdp_met = fsdp_met && r <= kMemoryTarget;
@@ -657,7 +748,12 @@ void add_train_command(CLI::App& app, Command& chosen) {
   sub->add_option("--configs", o->configs, "Configurations to run, comma-separated")
       ->delimiter(',')
       ->check(CLI::IsMember(names))
-      ->default_str("single,ddp,fsdp,fsdp-no-reshard,fsdp-fused");
+      ->default_str(fmt::format("{}", fmt::join(names, ",")));
+  sub->add_option("--tp", o->tp,
+                  "Tensor-parallel size of the fsdp-tp configs (a divisor of the ranks); mesh "
+                  "(shard = ranks / tp, tp)")
+      ->check(CLI::Range(1, 4096))
+      ->default_str("2 if the world size is even, else those configs are skipped");
   sub->add_option("--json", o->json_path,
                   "Write JSON: '--json' alone prints it to stdout instead of the table; "
                   "'--json FILE' keeps the table and writes FILE")
