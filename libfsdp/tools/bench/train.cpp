@@ -448,10 +448,14 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   const int tp = o.tp > 0 ? o.tp : 2;
   auto is_tp = [](const ConfigSpec& s) { return s.kind == Kind::FsdpTp; };
   std::string tp_skipped;
-  if (o.tp == 0 && world % tp != 0 && std::any_of(specs.begin(), specs.end(), is_tp)) {
-    tp_skipped = fmt::format("fsdp-tp, fsdp-tp-sp skipped: the default --tp 2 needs an even "
-                             "world size, not {}",
-                             world);
+  if (o.tp == 0 && world % tp != 0) {
+    for (const ConfigSpec& s : specs) {
+      if (is_tp(s)) tp_skipped += (tp_skipped.empty() ? "" : ", ") + s.key;
+    }
+    if (!tp_skipped.empty()) {
+      tp_skipped += fmt::format(" skipped: the default --tp 2 needs an even world size, not {}",
+                                world);
+    }
     specs.erase(std::remove_if(specs.begin(), specs.end(), is_tp), specs.end());
   }
   const bool any_tp = std::any_of(specs.begin(), specs.end(), is_tp);
