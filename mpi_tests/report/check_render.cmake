@@ -30,11 +30,12 @@ macro(expect line)
   endif()
 endmacro()
 # Matrix: a passing row with untested plan cases, a failing row, an exact row,
-# a row fed through an explicit configuration, a row with no record.
+# a row fed through an explicit configuration and by our own case id (TP-01), a row
+# with no record.
 expect("| FSDP 1-D, fp32 | 1e-5 | 1e-5 | L1-03, L2-01, L3-02, L3-04, L3-05 | L1-03 | 1 | 2.500e-7 | 40x | pass (partial) | L2-01, L3-02, L3-04, L3-05 |")
 expect("| FSDP 1-D, bf16 | 1e-3 | 1e-3 | L1-10, L1-11 | L1-10 | 1 | 2.000e-3 | 0.5x | FAIL (1 of 1) | L1-11 |")
 expect("| AC + swap + FSDP, fp32 | 1e-5 | 1e-5 | L2-06 | L2-06 | 1 | 0 | exact | pass | - |")
-expect("| TP + FSDP, fp32 | 1e-5 | 1e-5 | TP-01 | ours tp | 1 | 3.000e-6 | 3.33x | pass (partial) | TP-01 |")
+expect("| TP + FSDP, fp32 | 1e-5 | 1e-5 | TP-01 | TP-01, ours tp | 2 | 3.000e-6 | 3.33x | pass | - |")
 expect("| HSDP 2-D, fp32 | 1e-5 | 1e-5 | L1-02, L3-01 | - | 0 | - | - | not run | L1-02, L3-01 |")
 expect("| PP + FSDP, fp32 | 1e-5 | 1e-5 | L2-09 | - | 0 | - | - | not run | L2-09 |")
 # Other cases (plan ids first), detail, separation, stand-ins.
@@ -43,7 +44,7 @@ expect("| L1-10 | loss vs single-card bf16 | 1e-3 | 2.000e-3 | 0.5x | **FAIL** |
 expect("| L2-06 reentrant | loss vs single card | 1e-5 | 0 | exact | pass | 2 | cpu | compute device is the CPU: host and device coincide |")
 expect("| L1-02 | off: replica grads differ (every parameter) (must exceed) | 1e-6 | 5.000e-2 | 5e4x | pass | 4 | cpu |")
 expect("- L1-12 (cpu): bf16 stands in for fp16 on CPU")
-expect("7 records in 1 files")
+expect("8 records in 1 files")
 expect("; 2 failing.")
 
 file(READ "${WORK}/out/m.json" js)

@@ -45,7 +45,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 struct Record {
   std::string case_id, metric, kind, configuration, note, test_case, executable, device;
-  std::string plan_id;  // "L1-03" when case_id starts with a plan id, else ""
+  std::string plan_id;  // "L1-03" / "TP-01" when case_id starts with a plan id, else ""
   double tolerance = 0, observed = 0;
   bool pass = false;
   int np = 0;
@@ -203,7 +203,8 @@ Input read_raw(const fs::path& dir) {
     if (e.is_regular_file() && e.path().extension() == ".jsonl") files.push_back(e.path());
   }
   std::sort(files.begin(), files.end());
-  static const std::regex plan_id(R"(^(L[0-9]+-[0-9]+)(\s|$))");
+  // The plan's ids (L1-03) and ours for cases the plan asks us to write (TP-01).
+  static const std::regex plan_id(R"(^((?:L[0-9]+|TP)-[0-9]+)(\s|$))");
   Input in;
   for (const auto& f : files) {
     std::ifstream is(f);
