@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #ifndef FSDP_TRAIN_CORPUS
@@ -31,10 +32,15 @@ int64_t parse_dim(const std::string& text, const std::string& spec) {
 }  // namespace
 
 std::string TrainConfig::mesh_string() const {
-  if (mesh_shape.size() == 2) {
-    return fmt::format("[{}x{}] (replicate x shard, HSDP)", mesh_shape[0], mesh_shape[1]);
+  const std::string dims = mesh_shape.size() == 2
+                               ? fmt::format("[{}x{}]", mesh_shape[0], mesh_shape[1])
+                               : fmt::format("[{}]", mesh_shape.empty() ? 0 : mesh_shape[0]);
+  if (tp == 1) {
+    return dims + (hsdp() ? " (replicate x shard, HSDP)" : " (FSDP)");
   }
-  return fmt::format("[{}] (FSDP)", mesh_shape.empty() ? 0 : mesh_shape[0]);
+  return fmt::format("{} x tp {} ({} + TP{}{})", dims, tp, hsdp() ? "HSDP" : "FSDP",
+                     sequence_parallel ? ", sequence parallel" : "",
+                     loss_parallel ? ", loss parallel" : "");
 }
 
 double TrainConfig::tolerance() const {
@@ -45,8 +51,18 @@ double TrainConfig::tolerance() const {
 void add_flags(CLI::App& app, TrainConfig& cfg) {
   cfg.data = FSDP_TRAIN_CORPUS;
   app.add_option("--mesh", cfg.mesh,
-                 "N (1-D FSDP) or RxS (HSDP: R replicas x S shards); the product must be the "
-                 "world size [default: 1-D over the world]");
+                 "the data-parallel mesh: N (1-D FSDP) or RxS (HSDP: R replicas x S shards); "
+                 "the product times --tp must be the world size [default: 1-D, world / tp]");
+  app.add_option("--tp", cfg.tp,
+                 "tensor-parallel size: the mesh is (--mesh..., tp), each tp group of adjacent "
+                 "ranks splitting heads, SwiGLU and vocab (Megatron layout) and training on one "
+                 "data-parallel slice")
+      ->capture_default_str();
+  app.add_flag("--sequence-parallel", cfg.sequence_parallel,
+               "with --tp: split the activations between blocks on the sequence dim over tp "
+               "(--seq must divide by tp)");
+  app.add_flag("--loss-parallel", cfg.loss_parallel,
+               "with --tp: cross-entropy on the vocab-split logits, never gathering them");
   app.add_option("--mp", cfg.mp, "fp32, or bf16 (bf16 parameters/compute, fp32 gradient reduction)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
@@ -80,8 +96,19 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
 }
 
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
+  if (cfg.tp < 1) throw ConfigError(fmt::format("--tp {}: must be >= 1", cfg.tp));
+  if (cfg.tp == 1 && (cfg.sequence_parallel || cfg.loss_parallel)) {
+    throw ConfigError(fmt::format("{}: needs tensor parallelism (--tp 2 or more)",
+                                  cfg.sequence_parallel ? "--sequence-parallel"
+                                                        : "--loss-parallel"));
+  }
+  if (world_size % cfg.tp != 0) {
+    throw ConfigError(fmt::format(
+        "--tp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the tp size",
+        cfg.tp, world_size, world_size));
+  }
   if (cfg.mesh.empty()) {
-    cfg.mesh_shape = {world_size};
+    cfg.mesh_shape = {world_size / cfg.tp};
   } else {
     const auto x = cfg.mesh.find('x');
     if (x == std::string::npos) {
@@ -93,14 +120,16 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
   }
   int64_t product = 1;
   for (auto d : cfg.mesh_shape) product *= d;
-  if (product != world_size) {
+  if (product * cfg.tp != world_size) {
     throw ConfigError(fmt::format(
-        "--mesh {}: the mesh has {} ranks but the job has {} (mpiexec -n {}); the product of "
-        "the mesh dims must equal the world size",
-        cfg.mesh, product, world_size, world_size));
+        "--mesh {}: the mesh has {} ranks{} but the job has {} (mpiexec -n {}); the product of "
+        "the mesh dims{} must equal the world size",
+        cfg.mesh, product * cfg.tp, cfg.tp > 1 ? fmt::format(" with --tp {}", cfg.tp) : "",
+        world_size, world_size, cfg.tp > 1 ? " times --tp" : ""));
   }
-  // FSDP and HSDP alike: every rank takes its own slice of the global batch.
-  cfg.dp_size = world_size;
+  // FSDP and HSDP alike: every data-parallel coordinate takes its own slice
+  // of the global batch, shared by the tp ranks there.
+  cfg.dp_size = world_size / cfg.tp;
   if (cfg.steps < 1) throw ConfigError(fmt::format("--steps {}: must be >= 1", cfg.steps));
   if (cfg.seq < 1) throw ConfigError(fmt::format("--seq {}: must be >= 1", cfg.seq));
   if (cfg.batch < 1 || cfg.batch % cfg.dp_size != 0) {
@@ -129,7 +158,7 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
 
 nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t data_bytes,
                              uint64_t data_hash) {
-  return {
+  nlohmann::json j = {
       {"world", world_size},
       {"mesh", cfg.mesh_shape},
       {"mp", cfg.mp},
@@ -143,26 +172,38 @@ nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t dat
       {"clip", cfg.clip},
       {"data", {{"bytes", data_bytes}, {"fnv1a64", fmt::format("{:016x}", data_hash)}}},
   };
+  // Absent at tp 1, so that checkpoints written before --tp existed still
+  // resume (check_same_numerics compares the keys of both sides).
+  if (cfg.tp > 1) {
+    j["tp"] = {{"size", cfg.tp},
+               {"sequence_parallel", cfg.sequence_parallel},
+               {"loss_parallel", cfg.loss_parallel}};
+  }
+  return j;
 }
 
 void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& current,
                          const std::string& where) {
-  // The world size and the mesh first: they explain most mismatches.
-  std::vector<std::string> keys = {"world", "mesh"};
-  for (auto it = current.begin(); it != current.end(); ++it) {
-    if (it.key() != "world" && it.key() != "mesh") keys.push_back(it.key());
-  }
-  for (const auto& key : keys) {
-    if (!current.contains(key)) continue;
-    const auto found = saved.find(key);
-    const std::string have = found == saved.end() ? "(missing)" : found->dump();
-    if (found == saved.end() || *found != current.at(key)) {
-      throw ConfigError(fmt::format(
-          "--resume: {} was written with {} = {}, but this run has {} = {}; resume with the "
-          "same world size, --mesh, --mp, --batch, --seq, --seed, --lr, --clip and --data (or "
-          "start afresh without --resume / with another --out)",
-          where, key, have, key, current.at(key).dump()));
+  // The world size and the layout first: they explain most mismatches.
+  std::vector<std::string> keys = {"world", "mesh", "tp"};
+  for (const auto* side : {&current, &saved}) {
+    for (auto it = side->begin(); it != side->end(); ++it) {
+      if (std::find(keys.begin(), keys.end(), it.key()) == keys.end()) keys.push_back(it.key());
     }
+  }
+  auto text = [](const nlohmann::json& j, const std::string& key) {
+    const auto found = j.find(key);
+    return found == j.end() ? std::string("(missing)") : found->dump();
+  };
+  for (const auto& key : keys) {
+    if (!current.contains(key) && !saved.contains(key)) continue;
+    if (current.contains(key) && saved.contains(key) && saved.at(key) == current.at(key)) continue;
+    throw ConfigError(fmt::format(
+        "--resume: {} was written with {} = {}, but this run has {} = {}; resume with the "
+        "same world size, --mesh, --tp, --sequence-parallel, --loss-parallel, --mp, --batch, "
+        "--seq, --seed, --lr, --clip and --data (or start afresh without --resume / with "
+        "another --out)",
+        where, key, text(saved, key), key, text(current, key)));
   }
 }
 

@@ -25,7 +25,10 @@ struct TrainConfig {
   int64_t heads = 4;
   int64_t layers = 4;
 
-  std::string mesh;  // "" = 1-D over the world; "N" or "RxS"
+  std::string mesh;  // data-parallel part: "" = the world / tp; "N" or "RxS"
+  int64_t tp = 1;    // tensor-parallel size: the mesh is (mesh..., tp)
+  bool sequence_parallel = false;
+  bool loss_parallel = false;
   std::string mp = "fp32";
   bool reshard_after_forward = true;
   std::string ac = "none";
@@ -44,12 +47,13 @@ struct TrainConfig {
   int64_t log_every = 0;    // 0 = automatic
 
   // Resolved by resolve().
-  std::vector<int64_t> mesh_shape;
-  int64_t dp_size = 1;  // data-parallel ranks (= world size)
+  std::vector<int64_t> mesh_shape;  // the data-parallel dims, without tp
+  int64_t dp_size = 1;  // data-parallel ranks (= world size / tp)
 
   bool bf16() const { return mp == "bf16"; }
   bool hsdp() const { return mesh_shape.size() == 2; }
-  std::string mesh_string() const;  // "[2]" or "[2x2] (replicate x shard)"
+  // "[2] (FSDP)", "[2x2] (replicate x shard, HSDP)", "[2] x tp 2 (FSDP + TP, ...)"
+  std::string mesh_string() const;
   double tolerance() const;
 };
 
@@ -57,12 +61,14 @@ struct TrainConfig {
 void add_flags(CLI::App& app, TrainConfig& cfg);
 
 // Parses the mesh, checks every flag against the world size and the corpus
-// size; ConfigError naming the flag otherwise.
+// size; ConfigError naming the flag otherwise. Whether the model's dims
+// divide by --tp is the TP layers' check (see shard_decoder).
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes);
 
 // What a checkpoint records and --resume requires to match: everything that
-// changes the numbers (world, mesh, precision, model, optimizer, data), not
-// how they are computed (resharding, activation checkpointing, logging).
+// changes the numbers (world, mesh, tensor parallelism, precision, model,
+// optimizer, data), not how they are computed (resharding, activation
+// checkpointing, logging).
 nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t data_bytes,
                              uint64_t data_hash);
 

@@ -1,8 +1,10 @@
 // fsdp-train: trains a byte-level decoder LM (models::Decoder: vocab 256,
 // hidden 256, 4 heads, 4 layers, tied output) on the embedded corpus with
-// fully_shard per decoder layer and at the root, on every rank of the job:
+// fully_shard per decoder layer and at the root, on every rank of the job,
+// optionally tensor-parallel (models::TPDecoder) on a (dp..., tp) mesh:
 //
-//   mpiexec -n 2 fsdp-train [--mesh 2 | --mesh 2x2] [--mp fp32|bf16] [--ac none|all|every-2]
+//   mpiexec -n 2 fsdp-train [--mesh 2 | --mesh 2x2] [--tp 2 [--sequence-parallel]
+//                           [--loss-parallel]] [--mp fp32|bf16] [--ac none|all|every-2]
 //                           [--steps 100] [--batch 8] [--seq 128] [--resume] [--verify] ...
 //
 // Rank 0 prints one progress line per step (progress.h), writes
@@ -46,6 +48,8 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The tp ranks of a data-parallel coordinate hold the same value, so the
+// mean over the world is the mean over the data-parallel ranks.
 double global_mean(double local) {
   double sum = 0;
   MPI_Allreduce(&local, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
@@ -94,17 +98,25 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (!fs::is_directory(cfg.out)) throw ConfigError("--out " + cfg.out + ": cannot create it");
 
-  const auto mesh =
-      cfg.hsdp() ? fsdp::init_device_mesh(rt.device().type(), cfg.mesh_shape, {"replicate", "shard"})
-                 : fsdp::init_device_mesh(rt.device().type(), cfg.mesh_shape, {"shard"});
-  models::Decoder net = build_decoder(cfg);
-  const int64_t n_params = parameter_count(net);
-  ShardedDecoder sharded = shard_decoder(net, cfg, mesh);
+  // tp innermost: the ranks of one tp group are adjacent, and data-parallel
+  // coordinate world_rank / tp.
+  std::vector<int64_t> shape = cfg.mesh_shape;
+  std::vector<std::string> dims = {"shard"};
+  if (cfg.hsdp()) dims.insert(dims.begin(), "replicate");
+  if (cfg.tp > 1) {
+    shape.push_back(cfg.tp);
+    dims.push_back("tp");
+  }
+  const auto mesh = fsdp::init_device_mesh(rt.device().type(), shape, dims);
+  const int64_t dp_rank = rank / cfg.tp;
+  const models::Decoder plain = build_decoder(cfg);
+  const int64_t n_params = parameter_count(plain);
+  ShardedDecoder sharded = shard_decoder(plain, cfg, mesh);
   fsdp::FSDPModule root = sharded.units.back().second;
-  auto opt = make_optimizer(net, cfg);
-  const std::vector<at::Tensor> params = net->parameters();
+  auto opt = make_optimizer(*sharded.net, cfg);
+  const std::vector<at::Tensor> params = sharded.net->parameters();
   std::vector<std::string> names;
-  for (const auto& item : net->named_parameters()) names.push_back(item.key());
+  for (const auto& item : sharded.net->named_parameters()) names.push_back(item.key());
 
   int64_t start = 0;
   std::string resumed_from;
@@ -151,6 +163,8 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
 
   nlohmann::json run = {{"flags",
                          {{"mesh", cfg.mesh}, {"mp", cfg.mp},
+                          {"tp", cfg.tp}, {"sequence_parallel", cfg.sequence_parallel},
+                          {"loss_parallel", cfg.loss_parallel},
                           {"reshard_after_forward", cfg.reshard_after_forward}, {"ac", cfg.ac},
                           {"steps", cfg.steps}, {"checkpoint_every", cfg.checkpoint_every}}},
                         {"torch", TORCH_VERSION}};
@@ -169,10 +183,10 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const auto run_start = Clock::now();
   for (int64_t step = start + 1; step <= cfg.steps; ++step) {
     const auto t0 = Clock::now();
-    const at::Tensor tokens =
-        local_slice(corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq), rank, cfg.dp_size);
+    const at::Tensor tokens = local_slice(corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq),
+                                          dp_rank, cfg.dp_size);
     root.zero_grad();
-    at::Tensor loss = lm_loss_of(sharded.model(tokens.narrow(1, 0, cfg.seq)), tokens);
+    at::Tensor loss = sharded.loss(tokens);
     loss.backward();
     const double norm = cfg.clip > 0 ? fsdp::clip_grad_norm_(params, cfg.clip)
                                      : fsdp::total_grad_norm(params);
@@ -209,10 +223,10 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
                                          cfg.mesh_string(), cfg.mp)}};
   if (cfg.verify) {
     if (lead) {
-      std::cout << fmt::format("verify: re-running steps 1..{} unsharded in one process ({})",
-                               cfg.steps,
-                               cfg.bf16() ? "fp32 master, bf16 compute, one micro-batch per rank"
-                                          : "fp32, one micro-batch per rank")
+      std::cout << fmt::format("verify: re-running steps 1..{} unsharded in one process ({}{}, "
+                               "one micro-batch per data-parallel rank)",
+                               cfg.steps, cfg.bf16() ? "fp32 master, bf16 compute" : "fp32",
+                               cfg.tp > 1 ? ", the plain decoder" : "")
                 << std::endl;
       const auto t0 = Clock::now();
       const auto single = run_reference(cfg, corpus, [&](const LossRow& r) {
@@ -281,7 +295,7 @@ int run(int argc, char** argv) {
   fsdp::Runtime rt(&argc, &argv, options);
   CLI::App app{
       "fsdp-train: trains a byte-level decoder LM with fully_shard (per layer + root) on every "
-      "rank of the job; run under mpiexec"};
+      "rank of the job, optionally tensor-parallel (--tp); run under mpiexec"};
   TrainConfig cfg;
   add_flags(app, cfg);
   try {

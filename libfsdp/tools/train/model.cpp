@@ -1,8 +1,11 @@
 #include "model.h"
 
 #include <fsdp/checkpoint.h>
+#include <fsdp/errors.h>
+#include <fsdp/tensor_parallel.h>
 #include <models/init.h>
 #include <models/layers.h>
+#include <models/tp_llm.h>
 
 #include <fmt/format.h>
 
@@ -33,28 +36,93 @@ int64_t parameter_count(const models::Decoder& net) {
   return n;
 }
 
-ShardedDecoder shard_decoder(models::Decoder net, const TrainConfig& cfg,
-                             const fsdp::DeviceMesh& mesh) {
+namespace {
+
+fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::DeviceMesh& mesh) {
   fsdp::FullyShardOptions options;
   options.mesh = mesh;
+  // Named, since a (shard, tp) mesh would otherwise read as (replicate, shard).
+  options.shard_dim = "shard";
+  if (cfg.hsdp()) options.replicate_dim = "replicate";
   options.reshard_after_forward = cfg.reshard_after_forward;
   if (cfg.bf16()) {
     options.mp_policy.param_dtype = at::kBFloat16;
     options.mp_policy.reduce_dtype = at::kFloat;
   }
-  ShardedDecoder d{net, nullptr, {}};
+  return options;
+}
+
+// `options` plus the TP parameters of `module` that no unit manages yet
+// (none in the plain decoder).
+fsdp::FullyShardOptions with_tp(const fsdp::FullyShardOptions& options,
+                                const torch::nn::Module& module) {
+  fsdp::FullyShardOptions out = options;
+  for (auto& p : fsdp::tp::dtensor_params(module)) out.dtensor_params.push_back(std::move(p));
+  return out;
+}
+
+// Bottom-up: each layer, then the root unit (embedding, tied output, final
+// norm). Decoder: models::Decoder or models::TPDecoder.
+template <typename Decoder>
+fsdp::Sharded<Decoder> shard_units(Decoder net, const fsdp::FullyShardOptions& options,
+                                   std::vector<std::pair<std::string, fsdp::FSDPModule>>& units) {
   for (size_t i = 0; i < net->layers.size(); ++i) {
-    d.units.emplace_back(fmt::format("layer{}.", i),
-                         fsdp::fully_shard(net->layers[i].holder(), options));
+    const auto& layer = net->layers[i].holder();
+    units.emplace_back(fmt::format("layer{}.", i),
+                       fsdp::fully_shard(layer, with_tp(options, *layer.ptr())));
   }
-  // The root unit: embedding (tied with the output layer) and the final norm.
-  d.model = fsdp::fully_shard(net, options);
-  d.units.emplace_back("", *fsdp::fsdp_module_of(*net));
+  fsdp::Sharded<Decoder> root = fsdp::fully_shard(net, with_tp(options, *net));
+  units.emplace_back("", *fsdp::fsdp_module_of(*net));
+  return root;
+}
+
+models::TPDecoder build_tp_decoder(const models::Decoder& net, const TrainConfig& cfg,
+                                   const fsdp::DeviceMesh& tp) {
+  try {
+    models::TPDecoder tp_net(decoder_config(cfg), tp,
+                             models::TPOptions{cfg.sequence_parallel, cfg.loss_parallel});
+    tp_net->load_full(*net);
+    return tp_net;
+  } catch (const fsdp::ShapeError& e) {
+    if (e.argument() == "seq") {
+      throw ConfigError(fmt::format(
+          "--seq {}: with --sequence-parallel the sequence length must divide by --tp {} ({})",
+          cfg.seq, cfg.tp, e.what()));
+    }
+    throw ConfigError(fmt::format(
+        "--tp {}: the byte decoder (vocab {}, heads {}, ffn {}) does not split by it: {}", cfg.tp,
+        cfg.vocab, cfg.heads, decoder_config(cfg).ffn_dim(), e.what()));
+  }
+}
+
+at::Tensor inputs_of(const at::Tensor& tokens) { return tokens.narrow(1, 0, tokens.size(1) - 1); }
+
+}  // namespace
+
+ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
+                             const fsdp::DeviceMesh& mesh) {
+  const fsdp::FullyShardOptions options = shard_options(cfg, mesh);
+  ShardedDecoder d;
+  if (cfg.tp == 1) {
+    d.net = net.ptr();
+    d.loss = [root = shard_units(net, options, d.units)](const at::Tensor& tokens) mutable {
+      return lm_loss_of(root(inputs_of(tokens)), tokens);
+    };
+  } else {
+    const models::TPDecoder tp_net = build_tp_decoder(net, cfg, mesh["tp"]);
+    d.net = tp_net.ptr();
+    d.loss = [tp_net, root = shard_units(tp_net, options, d.units)](
+                 const at::Tensor& tokens) mutable {
+      const int64_t seq = tokens.size(1) - 1;
+      return tp_net->loss(root(inputs_of(tokens)).to(at::kFloat), tokens.narrow(1, 1, seq));
+    };
+  }
   if (cfg.ac != "none") {
     const int64_t every = cfg.ac == "all" ? 1 : 2;
     fsdp::apply_activation_checkpointing(
-        net.ptr(), fsdp::checkpoint_every_nth(every, [](const torch::nn::Module& m) {
-          return dynamic_cast<const models::DecoderLayerImpl*>(&m) != nullptr;
+        d.net, fsdp::checkpoint_every_nth(every, [](const torch::nn::Module& m) {
+          return dynamic_cast<const models::DecoderLayerImpl*>(&m) != nullptr ||
+                 dynamic_cast<const models::TPDecoderLayerImpl*>(&m) != nullptr;
         }));
   }
   return d;
@@ -99,8 +167,8 @@ void load_local_state(ShardedDecoder& d,
   }
 }
 
-torch::optim::AdamW make_optimizer(const models::Decoder& net, const TrainConfig& cfg) {
-  return torch::optim::AdamW(net->parameters(),
+torch::optim::AdamW make_optimizer(const torch::nn::Module& net, const TrainConfig& cfg) {
+  return torch::optim::AdamW(net.parameters(),
                              torch::optim::AdamWOptions(cfg.lr).weight_decay(0.0));
 }
 

@@ -1,5 +1,7 @@
-// The job's model: the byte-level models::Decoder, sharded per decoder layer
-// and then at the root (embedding, tied output and final norm), with optional
+// The job's model: the byte-level models::Decoder -- or with --tp its
+// tensor-parallel form models::TPDecoder, which has the same parameter names
+// and, gathered, the same values -- sharded per decoder layer and then at
+// the root (embedding, tied output and final norm), with optional
 // activation checkpointing of the layers, and the training step shared by
 // the sharded run and the single-process --verify run.
 #pragma once
@@ -12,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adamw.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -28,25 +31,34 @@ models::Decoder build_decoder(const TrainConfig& cfg);
 int64_t parameter_count(const models::Decoder& net);
 
 struct ShardedDecoder {
-  models::Decoder net;
-  fsdp::Sharded<models::Decoder> model;  // call this one: routed through the root unit
+  // models::Decoder, or models::TPDecoder with --tp: the optimizer's
+  // parameters, named as in the plain decoder.
+  std::shared_ptr<torch::nn::Module> net;
+  // Mean next-byte cross-entropy of `tokens` [b, seq + 1], forward routed
+  // through the root unit (the same value on every tp rank).
+  std::function<at::Tensor(const at::Tensor& tokens)> loss;
   // Each unit with the prefix of its parameter names in net->named_parameters().
   std::vector<std::pair<std::string, fsdp::FSDPModule>> units;
 };
 
-// fully_shard on each layer, then the root, on `mesh`; --ac marks layers.
-ShardedDecoder shard_decoder(models::Decoder net, const TrainConfig& cfg,
+// fully_shard on each layer, then the root, on `mesh` (dims "shard", with
+// "replicate" for HSDP and "tp" with --tp); --ac marks layers. With --tp,
+// `net` is the source of the TP form's initial weights. The model's dims not
+// dividing by --tp (or --seq with --sequence-parallel) -> ConfigError naming
+// the flag.
+ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
                              const fsdp::DeviceMesh& mesh);
 
 // This rank's parameter shards by full name ("layer0.attn.qkv.weight"), from
-// the units' sharded state dicts (FSDPModule::state_dict -> to_local).
+// the units' sharded state dicts (FSDPModule::state_dict -> to_local: with
+// --tp, the FSDP shard of this rank's TP piece).
 std::vector<std::pair<std::string, at::Tensor>> local_state(const ShardedDecoder& d);
 // Loads shards of the local shape back through FSDPModule::load_state_dict.
 // Every parameter must be present (ConfigError naming the first one missing).
 void load_local_state(ShardedDecoder& d,
                       const std::vector<std::pair<std::string, at::Tensor>>& state);
 
-torch::optim::AdamW make_optimizer(const models::Decoder& net, const TrainConfig& cfg);
+torch::optim::AdamW make_optimizer(const torch::nn::Module& net, const TrainConfig& cfg);
 
 // Mean next-byte cross-entropy of `tokens` [b, seq + 1] (logits in fp32).
 at::Tensor lm_loss_of(const at::Tensor& logits, const at::Tensor& tokens);

@@ -16,7 +16,7 @@ namespace fsdp_train {
 std::vector<LossRow> run_reference(const TrainConfig& cfg, const Corpus& corpus,
                                    const std::function<void(const LossRow&)>& on_step) {
   models::Decoder master = build_decoder(cfg);
-  auto opt = make_optimizer(master, cfg);
+  auto opt = make_optimizer(*master, cfg);
   const auto params = master->parameters();
   // fp32: the master computes; bf16: a bf16 copy computes, the master steps.
   models::Decoder compute = master;
