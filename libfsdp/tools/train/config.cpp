@@ -88,9 +88,11 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                  "also checkpoint every N steps [default: at the end only]");
   app.add_flag("--resume", cfg.resume, "continue from <out>/checkpoint");
   app.add_flag("--verify", cfg.verify,
-               "re-run the same steps unsharded in one process on rank 0 and compare the losses");
+               "re-run the same steps unsharded in one process on rank 0 (the plain decoder "
+               "with --tp) and compare the losses and the final parameters");
   app.add_option("--verify-tol", cfg.verify_tol,
-                 "max |loss difference| for --verify [default: 1e-4 fp32, 1e-3 bf16]");
+                 "max |loss difference| and |parameter difference| for --verify [default: 1e-4 "
+                 "fp32, 1e-3 bf16]");
   app.add_option("--log-every", cfg.log_every,
                  "progress line every N steps [default: 1, or steps/100 above 200 steps]");
 }

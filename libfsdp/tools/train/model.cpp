@@ -145,6 +145,18 @@ std::vector<std::pair<std::string, at::Tensor>> local_state(const ShardedDecoder
   return out;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> full_state(const ShardedDecoder& d) {
+  std::map<std::string, at::Tensor> by_name;
+  for (const auto& [prefix, unit] : d.units) {
+    for (const auto& [name, t] : unit.full_state_dict()) by_name[prefix + name] = t;
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : d.net->named_parameters()) {
+    out.emplace_back(item.key(), by_name.at(item.key()));
+  }
+  return out;
+}
+
 void load_local_state(ShardedDecoder& d,
                       const std::vector<std::pair<std::string, at::Tensor>>& state) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());

@@ -53,6 +53,9 @@ ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
 // the units' sharded state dicts (FSDPModule::state_dict -> to_local: with
 // --tp, the FSDP shard of this rank's TP piece).
 std::vector<std::pair<std::string, at::Tensor>> local_state(const ShardedDecoder& d);
+// The global parameters by full name, in named_parameters() order
+// (FSDPModule::full_state_dict; collective over the mesh).
+std::vector<std::pair<std::string, at::Tensor>> full_state(const ShardedDecoder& d);
 // Loads shards of the local shape back through FSDPModule::load_state_dict.
 // Every parameter must be present (ConfigError naming the first one missing).
 void load_local_state(ShardedDecoder& d,

@@ -6,6 +6,9 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -13,8 +16,8 @@
 
 namespace fsdp_train {
 
-std::vector<LossRow> run_reference(const TrainConfig& cfg, const Corpus& corpus,
-                                   const std::function<void(const LossRow&)>& on_step) {
+Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
+                        const std::function<void(const LossRow&)>& on_step) {
   models::Decoder master = build_decoder(cfg);
   auto opt = make_optimizer(*master, cfg);
   const auto params = master->parameters();
@@ -27,7 +30,8 @@ std::vector<LossRow> run_reference(const TrainConfig& cfg, const Corpus& corpus,
   const auto compute_params = compute->parameters();
   const int64_t tokens_per_step = cfg.batch * cfg.seq;
 
-  std::vector<LossRow> rows;
+  Reference ref;
+  auto& rows = ref.rows;
   for (int64_t step = 1; step <= cfg.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const at::Tensor tokens = corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq);
@@ -69,13 +73,25 @@ std::vector<LossRow> run_reference(const TrainConfig& cfg, const Corpus& corpus,
     // relative, enough to start the drift described in verify.h).
     const double norm = cfg.clip > 0 ? fsdp::clip_grad_norm_(params, cfg.clip)
                                      : fsdp::total_grad_norm(params);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor g = params[i].grad().abs();
+      if (ref.min_abs_grad.size() == i) {
+        ref.min_abs_grad.push_back(g);
+      } else {
+        ref.min_abs_grad[i] = at::minimum(ref.min_abs_grad[i], g);
+      }
+    }
     opt.step();
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rows.push_back({step, loss, norm, seconds > 0 ? tokens_per_step / seconds : 0.0});
     if (on_step) on_step(rows.back());
   }
-  return rows;
+  for (const auto& item : master->named_parameters()) {
+    ref.params.emplace_back(item.key(), item.value().detach());
+  }
+  ref.adam_eps = static_cast<const torch::optim::AdamWOptions&>(opt.defaults()).eps();
+  return ref;
 }
 
 Comparison compare_losses(const std::vector<LossRow>& sharded, const std::vector<LossRow>& single) {
@@ -92,6 +108,41 @@ Comparison compare_losses(const std::vector<LossRow>& sharded, const std::vector
       c.worst_step = r.step;
     }
   }
+  return c;
+}
+
+ParamComparison compare_params(const std::vector<std::pair<std::string, at::Tensor>>& sharded,
+                               const Reference& single) {
+  std::map<std::string, size_t> ref;
+  for (size_t i = 0; i < single.params.size(); ++i) ref[single.params[i].first] = i;
+  ParamComparison c;
+  auto worse = [&c](double d, const std::string& name) {
+    if (!(d <= c.max_abs_diff)) {  // NaN counts as worst
+      c.max_abs_diff = std::isnan(d) ? std::numeric_limits<double>::infinity() : d;
+      c.worst = name;
+    }
+  };
+  for (const auto& [name, t] : sharded) {
+    auto it = ref.find(name);
+    const at::Tensor want = it == ref.end() ? at::Tensor() : single.params[it->second].second;
+    if (!want.defined() || want.sizes() != t.sizes()) {
+      worse(std::numeric_limits<double>::infinity(), name);
+      continue;
+    }
+    ++c.compared;
+    const at::Tensor diff = (t.to(at::kDouble) - want.to(at::kDouble)).abs();
+    worse(diff.max().item<double>(), name);
+    const at::Tensor keep = single.min_abs_grad[it->second] >= 100 * single.adam_eps;
+    c.elements += diff.numel();
+    c.near_zero_grad += diff.numel() - keep.sum().item<int64_t>();
+    const at::Tensor kept = diff.masked_select(keep);
+    if (kept.numel() > 0) {
+      c.well_conditioned_max_abs_diff =
+          std::max(c.well_conditioned_max_abs_diff, kept.max().item<double>());
+    }
+    ref.erase(it);
+  }
+  for (const auto& [name, i] : ref) worse(std::numeric_limits<double>::infinity(), name);
   return c;
 }
 

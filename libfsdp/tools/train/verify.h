@@ -1,6 +1,7 @@
 // --verify: the same training steps re-run unsharded in this one process --
 // same seed, initial weights, global batches, AdamW and clipping -- as the
-// reference the sharded run's losses are compared with.
+// reference the sharded run's losses, and its parameters after the last
+// step, are compared with (the same tolerance for both).
 //
 // Each step takes the global batch as one micro-batch per data-parallel rank
 // (the slice that rank trained on), sums their fp32 gradients pairwise in
@@ -15,20 +16,47 @@
 // is not emulated (fp32 drifts after ~15 steps there; bf16 gradients sum
 // exactly). bf16 emulates FSDP's mixed precision: an fp32 master copy
 // steps, a bf16 copy computes, gradients are cast to fp32 before the sum.
+// Tensor parallelism is not emulated: its split GEMMs and partial sums over
+// tp round differently from the plain decoder's. Measured at --tp 2, batch 4
+// x seq 64: the losses agree to ~2e-7 for ~25 steps, the parameters after 6
+// steps to ~1e-4 at the few dozen elements whose gradient came within ~10
+// AdamW eps of zero and to ~1e-5 elsewhere; then the loss spikes amplify
+// the differences as above (past 1e-4 at step 30, ~0.2 by step 76). With
+// bf16 compute the losses still agree to ~6e-4 after 6 steps, but the
+// parameters differ by ~2e-2 (bf16-level gradient differences flip AdamW's
+// normalised updates). So --verify with --tp checks short fp32 runs.
 #pragma once
 
 #include "config.h"
 #include "corpus.h"
 #include "progress.h"
 
+#include <ATen/core/Tensor.h>
+
 #include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp_train {
 
-// Runs steps 1..cfg.steps; calls on_step after each.
-std::vector<LossRow> run_reference(const TrainConfig& cfg, const Corpus& corpus,
-                                   const std::function<void(const LossRow&)>& on_step);
+struct Reference {
+  std::vector<LossRow> rows;
+  // The fp32 parameters after the last step, in named_parameters() order.
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  // Per parameter, each element's smallest |gradient| AdamW saw over the
+  // steps, and AdamW's eps: where a gradient came within ~100 eps of zero,
+  // AdamW's m / (sqrt(v) + eps) turns ulp-level gradient differences (TP's
+  // other GEMM shapes) into parameter differences of up to ~lr.
+  std::vector<at::Tensor> min_abs_grad;
+  double adam_eps = 0;
+};
+
+// Runs steps 1..cfg.steps; calls on_step after each. With --tp the
+// reference is still the plain decoder: TP changes how the step is
+// computed, not what it computes.
+Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
+                        const std::function<void(const LossRow&)>& on_step);
 
 struct Comparison {
   double max_abs_diff = 0;
@@ -36,5 +64,20 @@ struct Comparison {
   int64_t compared = 0;
 };
 Comparison compare_losses(const std::vector<LossRow>& sharded, const std::vector<LossRow>& single);
+
+struct ParamComparison {
+  double max_abs_diff = 0;
+  std::string worst;  // the parameter's name
+  int64_t compared = 0;
+  // The same over the elements whose |gradient| stayed >= 100 x AdamW eps,
+  // and how many of how many elements did not.
+  double well_conditioned_max_abs_diff = 0;
+  int64_t near_zero_grad = 0;
+  int64_t elements = 0;
+};
+// Max |difference| over every element of the parameters both name (a
+// parameter missing on one side, or of another shape, counts as infinite).
+ParamComparison compare_params(const std::vector<std::pair<std::string, at::Tensor>>& sharded,
+                               const Reference& single);
 
 }  // namespace fsdp_train
