@@ -269,7 +269,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
       if (!params_ok) status = kVerifyFailed;
       if ((!ok || !params_ok) && cfg.tp > 1) {
         std::cout << "verify: note: tensor parallelism rounds differently from the plain "
-                     "decoder; at the default lr fp32 differences grow past 1e-4 after ~25 "
+                     "decoder; at the default lr fp32 differences grow past 1e-4 after ~15-25 "
                      "steps, and bf16 compute moves the parameters by ~1e-2 in 6 (verify.h): "
                      "--verify with --tp checks short fp32 runs"
                   << std::endl;

@@ -96,6 +96,7 @@ models::TPDecoder build_tp_decoder(const models::Decoder& net, const TrainConfig
 }
 
 at::Tensor inputs_of(const at::Tensor& tokens) { return tokens.narrow(1, 0, tokens.size(1) - 1); }
+at::Tensor targets_of(const at::Tensor& tokens) { return tokens.narrow(1, 1, tokens.size(1) - 1); }
 
 }  // namespace
 
@@ -113,8 +114,7 @@ ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
     d.net = tp_net.ptr();
     d.loss = [tp_net, root = shard_units(tp_net, options, d.units)](
                  const at::Tensor& tokens) mutable {
-      const int64_t seq = tokens.size(1) - 1;
-      return tp_net->loss(root(inputs_of(tokens)).to(at::kFloat), tokens.narrow(1, 1, seq));
+      return tp_net->loss(root(inputs_of(tokens)).to(at::kFloat), targets_of(tokens));
     };
   }
   if (cfg.ac != "none") {
