@@ -58,13 +58,9 @@ int main(int argc, char** argv) {
   fsdp::FullyShardOptions options;
   options.mesh = mesh;
   options.shard_dim = "dp";  // FSDP's dim; "tp" is carried through
-  auto with_tp = [&](const torch::nn::Module& m) {  // the TP layout of m's parameters
-    auto o = options;
-    o.dtensor_params = fsdp::tp::dtensor_params(m);
-    return o;
-  };
-  fsdp::fully_shard(lm->mlp.holder(), with_tp(*lm->mlp.ptr()));
-  fsdp::Sharded<Lm> model = fsdp::fully_shard(lm, with_tp(*lm));
+  // Bottom-up, each with the TP layout of its parameters (dtensor_params).
+  fsdp::fully_shard(lm->mlp.holder(), fsdp::tp::options_for(*lm->mlp.ptr(), options));
+  fsdp::Sharded<Lm> model = fsdp::fully_shard(lm, fsdp::tp::options_for(*lm, options));
 
   torch::optim::AdamW opt(lm->parameters(), torch::optim::AdamWOptions(1e-2));
   // Data differs across dp and is the same on the ranks of one tp group.

@@ -54,13 +54,6 @@ std::shared_ptr<Impl> as(const std::shared_ptr<torch::nn::Module>& m) {
 
 std::vector<at::Tensor> params_of(const torch::nn::Module& m) { return m.parameters(); }
 
-// `o` plus the tensor-parallel parameters of `module` (none for plain models).
-fsdp::FullyShardOptions with_tp(const fsdp::FullyShardOptions& o, const torch::nn::Module& module) {
-  fsdp::FullyShardOptions out = o;
-  for (auto& p : fsdp::tp::dtensor_params(module)) out.dtensor_params.push_back(std::move(p));
-  return out;
-}
-
 // Shards each layer of a decoder (plain or TP form), then the decoder itself.
 template <typename Decoder>
 void shard_decoder(Decoder& d, const std::string& prefix, const fsdp::FullyShardOptions& o,
@@ -68,14 +61,15 @@ void shard_decoder(Decoder& d, const std::string& prefix, const fsdp::FullyShard
   for (size_t i = 0; i < d.layers.size(); ++i) {
     auto& layer = d.layers[i].holder();
     units.push_back({prefix + "layer" + std::to_string(i) + ".",
-                     fsdp::fully_shard(layer, with_tp(o, *layer.ptr()))});
+                     fsdp::fully_shard(layer, fsdp::tp::options_for(*layer.ptr(), o))});
   }
 }
 
 void shard_vit_blocks(models::ViTImpl& v, const std::string& prefix,
                       const fsdp::FullyShardOptions& o, std::vector<Unit>& units) {
   for (size_t i = 0; i < v.blocks.size(); ++i) {
-    units.push_back({prefix + "block" + std::to_string(i) + ".", fsdp::fully_shard(v.blocks[i].holder(), o)});
+    units.push_back({prefix + "block" + std::to_string(i) + ".",
+                     fsdp::fully_shard(v.blocks[i].holder(), o)});
   }
 }
 
@@ -111,7 +105,7 @@ class LlmDecoderCase : public Case {
       shard_decoder(*as<models::DecoderImpl>(model), "", o, units);
     }
     // embedding + tied output + norm
-    units.push_back({"", fsdp::fully_shard(model, with_tp(o, *model))});
+    units.push_back({"", fsdp::fully_shard(model, fsdp::tp::options_for(*model, o))});
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
@@ -119,7 +113,8 @@ class LlmDecoderCase : public Case {
     auto tokens = models::random_tokens(data_seed(1234, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
     tokens = models::rank_slice(tokens, rank, world);
-    const at::Tensor inputs = tokens.narrow(1, 0, cfg_.seq), targets = tokens.narrow(1, 1, cfg_.seq);
+    const at::Tensor inputs = tokens.narrow(1, 0, cfg_.seq);
+    const at::Tensor targets = tokens.narrow(1, 1, cfg_.seq);
     if (auto t = std::dynamic_pointer_cast<models::TPDecoderImpl>(model)) {
       fsdp::Sharded<models::TPDecoder> net(t);
       return {t->loss(net(inputs), targets), {}};

@@ -69,6 +69,9 @@ class ParallelModule {
 // The DistributedParams of `module` and its descendants that no unit
 // manages yet (call it right before fully_shard(module, ...), bottom-up).
 std::vector<DistributedParam> dtensor_params(const torch::nn::Module& module);
+// `base` with dtensor_params(module) appended: the options to fully_shard
+// `module` with (the same as base for a module without TP parameters).
+FullyShardOptions options_for(const torch::nn::Module& module, FullyShardOptions base);
 
 // A parameter replicated over tp; with partial_grad its gradient is a
 // partial sum over tp (a norm weight in a sequence-parallel region, a bias

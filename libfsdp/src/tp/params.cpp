@@ -58,4 +58,9 @@ std::vector<DistributedParam> dtensor_params(const torch::nn::Module& module) {
   return out;
 }
 
+FullyShardOptions options_for(const torch::nn::Module& module, FullyShardOptions base) {
+  for (auto& p : dtensor_params(module)) base.dtensor_params.push_back(std::move(p));
+  return base;
+}
+
 }  // namespace fsdp::tp

@@ -216,16 +216,13 @@ template <typename DecoderHolder>
 fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
                                            const fsdp::FullyShardOptions& fo,
                                            bool forward_prefetch) {
-  auto with_tp = [&fo](const torch::nn::Module& module) {
-    fsdp::FullyShardOptions out = fo;
-    out.dtensor_params = fsdp::tp::dtensor_params(module);
-    return out;
-  };
   std::vector<fsdp::FSDPModule> units;
   for (auto& layer : decoder->layers) {
-    units.push_back(fsdp::fully_shard(layer.holder(), with_tp(*layer.holder().ptr())));
+    units.push_back(
+        fsdp::fully_shard(layer.holder(), fsdp::tp::options_for(*layer.holder().ptr(), fo)));
   }
-  fsdp::Sharded<DecoderHolder> net = fsdp::fully_shard(decoder, with_tp(*decoder));
+  fsdp::Sharded<DecoderHolder> net =
+      fsdp::fully_shard(decoder, fsdp::tp::options_for(*decoder, fo));
   if (forward_prefetch) {
     // Each unit's forward issues the next one's all-gather; the root's
     // issues the first layer's.

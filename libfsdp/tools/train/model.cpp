@@ -52,15 +52,6 @@ fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::Device
   return options;
 }
 
-// `options` plus the TP parameters of `module` that no unit manages yet
-// (none in the plain decoder).
-fsdp::FullyShardOptions with_tp(const fsdp::FullyShardOptions& options,
-                                const torch::nn::Module& module) {
-  fsdp::FullyShardOptions out = options;
-  for (auto& p : fsdp::tp::dtensor_params(module)) out.dtensor_params.push_back(std::move(p));
-  return out;
-}
-
 // Bottom-up: each layer, then the root unit (embedding, tied output, final
 // norm). Decoder: models::Decoder or models::TPDecoder.
 template <typename Decoder>
@@ -69,9 +60,9 @@ fsdp::Sharded<Decoder> shard_units(Decoder net, const fsdp::FullyShardOptions& o
   for (size_t i = 0; i < net->layers.size(); ++i) {
     const auto& layer = net->layers[i].holder();
     units.emplace_back(fmt::format("layer{}.", i),
-                       fsdp::fully_shard(layer, with_tp(options, *layer.ptr())));
+                       fsdp::fully_shard(layer, fsdp::tp::options_for(*layer.ptr(), options)));
   }
-  fsdp::Sharded<Decoder> root = fsdp::fully_shard(net, with_tp(options, *net));
+  fsdp::Sharded<Decoder> root = fsdp::fully_shard(net, fsdp::tp::options_for(*net, options));
   units.emplace_back("", *fsdp::fsdp_module_of(*net));
   return root;
 }
