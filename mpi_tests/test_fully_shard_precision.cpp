@@ -743,12 +743,15 @@ BOOST_AUTO_TEST_CASE(test_replicate_params_precision_1d) {
   check_replicate({}, "replicate 1-D");
 }
 
-// This suite runs at np 2, so "2-D" is both 2-rank 2-D meshes:
-// (replicate=2, shard=1) -- HSDP all-reduce path -- and (replicate=1, shard=2).
+// "2-D" is (replicate=N, shard=1) -- the HSDP all-reduce path alone --,
+// (replicate=1, shard=N), and at np 4 the real HSDP mesh (2, 2), where a
+// replicated parameter's gradient is all-reduced over both dims
+// (test_fully_shard_precision_replicate_np4 runs this case alone).
 BOOST_AUTO_TEST_CASE(test_replicate_params_precision_2d) {
   const int ws = spmd::world_size();
-  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{ws, 1},
-                                            std::vector<int64_t>{1, ws}}) {
+  std::vector<std::vector<int64_t>> shapes = {{ws, 1}, {1, ws}};
+  if (ws == 4) shapes.push_back({2, 2});
+  for (const std::vector<int64_t>& shape : shapes) {
     fsdp::FullyShardOptions opts;
     opts.mesh = fsdp::init_device_mesh(spmd::device().type(), shape, {"replicate", "shard"});
     check_replicate(opts, "replicate 2-D (" + std::to_string(shape[0]) + "," +
