@@ -25,6 +25,7 @@
 
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 
 namespace {
@@ -88,27 +89,37 @@ BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp1_tp2) {
 
 namespace {
 
-// (op, group) -> count of one forward + backward of the TP decoder on
-// (dp, tp) = (w/2, 2), with the options the runner uses.
+// The TP decoder sharded on (dp, tp) = (w/2, 2) with the options the runner
+// uses.
+struct ShardedTP {
+  std::unique_ptr<ref::Case> c = ref::make_case("llm_decoder");
+  int64_t dp = spmd::world_size() / 2;
+  fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {dp, 2}, {"shard", "tp"});
+  std::shared_ptr<torch::nn::Module> model;
+  std::vector<ref::Unit> units;
+
+  ShardedTP(bool sp, bool lp) {
+    fsdp::FullyShardOptions o;
+    o.mesh = mesh;
+    o.shard_dim = "shard";
+    ref::TPSpec spec;
+    spec.size = 2;
+    spec.sequence_parallel = sp;
+    spec.loss_parallel = lp;
+    model = c->build_tp(mesh["tp"], spec);
+    units = c->shard(model, o);
+  }
+};
+
+// (op, group) -> count of one forward + backward.
 std::map<std::pair<std::string, std::string>, int64_t> step_counts(bool sp, bool lp,
                                                                    std::string* tp_group,
                                                                    std::string* dp_group) {
-  auto c = ref::make_case("llm_decoder");
-  const int64_t tp = 2, dp = spmd::world_size() / tp;
-  const auto mesh = fsdp::init_device_mesh("cpu", {dp, tp}, {"shard", "tp"});
-  fsdp::FullyShardOptions o;
-  o.mesh = mesh;
-  o.shard_dim = "shard";
-  ref::TPSpec spec;
-  spec.size = tp;
-  spec.sequence_parallel = sp;
-  spec.loss_parallel = lp;
-  auto model = c->build_tp(mesh["tp"], spec);
-  auto units = c->shard(model, o);
+  ShardedTP t(sp, lp);
   fsdp::reset_collective_counters();
-  c->forward(model, 0, mesh.get_local_rank("shard"), dp).loss.backward();
-  *tp_group = mesh.get_group("tp")->name();
-  *dp_group = mesh.get_group("shard")->name();
+  t.c->forward(t.model, 0, t.mesh.get_local_rank("shard"), t.dp).loss.backward();
+  *tp_group = t.mesh.get_group("tp")->name();
+  *dp_group = t.mesh.get_group("shard")->name();
   return fsdp::collective_counters().count;
 }
 
@@ -193,22 +204,13 @@ int64_t check_same(const Named& got, const Named& want) {
 // round-trips bitwise.
 BOOST_AUTO_TEST_CASE(test_tp_fsdp_state_dicts) {
   if (spmd::world_size() % 2 != 0) SPMD_SKIP("needs an even world size for tp = 2");
-  auto c = ref::make_case("llm_decoder");
-  const int64_t tp = 2, dp = spmd::world_size() / tp;
-  const auto mesh = fsdp::init_device_mesh("cpu", {dp, tp}, {"shard", "tp"});
-  fsdp::FullyShardOptions o;
-  o.mesh = mesh;
-  o.shard_dim = "shard";
-  ref::TPSpec spec;
-  spec.size = tp;
-  spec.sequence_parallel = true;
-  const auto plain = c->build();
+  ShardedTP t(/*sp=*/true, /*lp=*/false);
+  auto& units = t.units;
+  const auto plain = t.c->build();
   Named plain_values;
   for (const auto& item : plain->named_parameters()) plain_values[item.key()] = item.value();
   BOOST_REQUIRE_EQUAL(plain_values.size(), 30u);  // 7 per layer x 4, embedding, final norm
 
-  auto model = c->build_tp(mesh["tp"], spec);
-  auto units = c->shard(model, o);
   BOOST_TEST(check_same(full_state(units), plain_values) ==
              static_cast<int64_t>(plain_values.size()));
 

@@ -65,8 +65,13 @@ void check_full(const char* fn, const char* arg, const at::Tensor& t,
   }
 }
 
-void check_no_bias(const char* fn, const at::Tensor& bias) {
-  if (bias.defined()) {
+// load_full's arguments against the plain Linear's shapes.
+void check_full_linear(const char* fn, const at::Tensor& w, const at::Tensor& b, int64_t out,
+                       int64_t in, bool has_bias) {
+  check_full(fn, "weight", w, {out, in});
+  if (has_bias) {
+    check_full(fn, "bias", b, {out});
+  } else if (b.defined()) {
     throw ShapeError("bias", std::string(fn) + ": 'bias' is given but the layer has none "
                                                "(options.bias = false)");
   }
@@ -117,13 +122,7 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
 }
 
 void ColumnParallelLinearImpl::load_full(const at::Tensor& w, const at::Tensor& b) {
-  const char* fn = "ColumnParallelLinear::load_full";
-  check_full(fn, "weight", w, {out_features, in_features});
-  if (options.bias) {
-    check_full(fn, "bias", b, {out_features});
-  } else {
-    check_no_bias(fn, b);
-  }
+  check_full_linear("ColumnParallelLinear::load_full", w, b, out_features, in_features, options.bias);
   at::NoGradGuard no_grad;
   weight.copy_(column_slice(w, options.fused_pieces, tp));
   if (options.bias) bias.copy_(column_slice(b, options.fused_pieces, tp));
@@ -174,13 +173,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
 }
 
 void RowParallelLinearImpl::load_full(const at::Tensor& w, const at::Tensor& b) {
-  const char* fn = "RowParallelLinear::load_full";
-  check_full(fn, "weight", w, {out_features, in_features});
-  if (options.bias) {
-    check_full(fn, "bias", b, {out_features});
-  } else {
-    check_no_bias(fn, b);
-  }
+  check_full_linear("RowParallelLinear::load_full", w, b, out_features, in_features, options.bias);
   at::NoGradGuard no_grad;
   weight.copy_(row_slice(w, tp));
   if (options.bias) bias.copy_(b);
