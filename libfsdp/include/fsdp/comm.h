@@ -46,6 +46,18 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// One operation of a batch_isend_irecv.
+struct P2POp {
+  enum class Kind { Send, Recv };
+  Kind kind = Kind::Send;
+  at::Tensor tensor;  // contiguous; a Recv writes into it
+  int peer = 0;       // group rank
+  int tag = 0;        // 0..32767 (ignored by NCCL, which matches in issue order)
+  // What the transfer is, e.g. "pp stage 0 -> 1 activation of microbatch 3":
+  // describe_pending_collectives() shows it while the op is pending.
+  std::string label;
+};
+
 class ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;
@@ -84,6 +96,13 @@ class ProcessGroup {
   // they start at once, so an async send and recv may be in flight together.
   virtual WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0, bool async_op = false) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int src, int tag = 0, bool async_op = false) = 0;
+  // Starts every op of `ops` together and returns one Work per op, in the
+  // order given: receives are posted before sends, each ordered by peer, and
+  // NCCL runs the batch inside one ncclGroupStart/End -- so two peers that
+  // exchange in one batch cannot deadlock, whatever order each lists its ops
+  // in. Wait on the Works (receives before reusing their tensors; sends
+  // before overwriting theirs). Errors as for send/recv, naming "ops[i]".
+  virtual std::vector<WorkPtr> batch_isend_irecv(std::vector<P2POp> ops) = 0;
   // Returns once every rank of the group has entered the barrier.
   virtual void barrier() = 0;
 };

@@ -113,6 +113,17 @@ class FSDPModule {
   void zero_grad();
   // Waits for reductions left in flight by set_is_last_backward(false).
   void finish_pending_reductions();
+  // Reduces the gradients that backwards run with
+  // set_requires_gradient_sync(false) accumulated locally -- the same
+  // reduce-scatter (and HSDP all-reduce), divide factor and scaling as a
+  // synchronised backward -- on this unit and (recurse) every unit inside
+  // it, waits for them and reshards: param.grad() then holds the sharded
+  // gradient (added to any it held). Pipeline schedules call it once after
+  // the last microbatch instead of a last synchronised backward. Collective
+  // over each unit's mesh (every rank calls it, units in the same order);
+  // StateError while a forward or backward of a unit is running. A parameter
+  // no rank accumulated a gradient for keeps its param.grad().
+  void reduce_gradients(bool recurse = true);
 
   // Managed parameters as DTensors (local shard + mesh + placements), in
   // module order; names are relative to module().

@@ -197,6 +197,29 @@ class MpiBackend final : public Backend {
     return finish_p2p("recv", request, t, async_op);
   }
 
+  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override {
+    std::vector<WorkPtr> works;
+    works.reserve(ops.size());
+    for (const P2POp& op : ops) {
+      const at::Tensor& t = op.tensor;
+      const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
+      const int count = to_int(t.numel(), "tensor");
+      MPI_Request request = MPI_REQUEST_NULL;
+      const bool send = op.kind == P2POp::Kind::Send;
+      if (send) {
+        check_mpi(MPI_Isend(t.data_ptr(), count, dt, op.peer, op.tag, comm_, &request),
+                  "MPI_Isend");
+      } else {
+        check_mpi(MPI_Irecv(t.data_ptr(), count, dt, op.peer, op.tag, comm_, &request),
+                  "MPI_Irecv");
+      }
+      WorkInfo info = describe(send ? "send" : "recv", t);
+      info.label = op.label;
+      works.push_back(std::make_shared<RequestWork>(request, t, std::move(info)));
+    }
+    return works;
+  }
+
   void barrier() override {
     submit("barrier", at::Tensor(), false,
            [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });

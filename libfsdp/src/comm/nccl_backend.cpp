@@ -249,6 +249,34 @@ class NcclBackend final : public Backend {
     });
   }
 
+  // One work for the whole group launch, shared by every op: NCCL completes
+  // a group's ops together.
+  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override {
+    std::vector<at::Tensor> tensors;
+    std::string label;
+    for (const P2POp& op : ops) {
+      require_device(op.tensor, "tensor");
+      tensors.push_back(op.tensor);
+      if (!op.label.empty()) label += (label.empty() ? "" : "; ") + op.label;
+    }
+    WorkPtr work = issue("batch_p2p", tensors, /*async_op=*/true, [&](cudaStream_t s) {
+      // Pair communicators bootstrap over MPI: never inside an NCCL group.
+      std::vector<std::pair<ncclComm_t, int>> peers;
+      for (const P2POp& op : ops) peers.push_back(peer_comm(op.peer));
+      ncclResult_t rc = ncclGroupStart();
+      for (size_t i = 0; rc == ncclSuccess && i < ops.size(); ++i) {
+        const at::Tensor& t = ops[i].tensor;
+        const auto [comm, peer] = peers[i];
+        rc = ops[i].kind == P2POp::Kind::Send
+                 ? ncclSend(t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()), peer, comm, s)
+                 : ncclRecv(t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()), peer, comm, s);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess ? rc : end;
+    }, label);
+    return std::vector<WorkPtr>(ops.size(), work);
+  }
+
   void barrier() override {
     // Only the arrival matters, not the token's value.
     at::Tensor token = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(device_));
@@ -262,7 +290,7 @@ class NcclBackend final : public Backend {
   // returns their result) ordered after the caller's current stream.
   template <typename Launch>
   WorkPtr issue(const char* op, std::vector<at::Tensor> tensors, bool async_op,
-                Launch&& launch) {
+                Launch&& launch, std::string label = "") {
     std::lock_guard<std::mutex> lock(mu_);  // one NCCL call at a time per communicator
     WorkInfo info;
     info.op = op;
@@ -270,6 +298,7 @@ class NcclBackend final : public Backend {
     info.seq = ++sequence_;
     info.bytes = tensors.empty() ? 0 : static_cast<int64_t>(tensors.back().nbytes());  // the input
     info.backend = "nccl";
+    info.label = std::move(label);
     const std::string what = info.describe();
     c10::cuda::CUDAGuard guard(device_.index());
     check_async_errors(what);

@@ -3,6 +3,7 @@
 #include "fsdp/errors.h"
 #include "comm/process_group.h"
 
+#include <algorithm>
 #include <numeric>
 #include <sstream>
 
@@ -289,6 +290,45 @@ WorkPtr ProcessGroupImpl::recv(at::Tensor tensor, int src, int tag, bool async_o
   Backend& b = backend_for(tensor, "tensor");
   count_collective("recv", name_, bytes_of(tensor));
   return b.recv(tensor, src, tag, async_op);
+}
+
+std::vector<WorkPtr> ProcessGroupImpl::batch_isend_irecv(std::vector<P2POp> ops) {
+  const char* fn = "batch_isend_irecv";
+  if (ops.empty()) return {};
+  Backend* b = nullptr;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const std::string arg = "ops[" + std::to_string(i) + "]";
+    const char* what = ops[i].kind == P2POp::Kind::Send ? "send" : "recv";
+    check_one(fn, ops[i].tensor, (arg + ".tensor").c_str());
+    check_peer(fn, ops[i].peer, size_, rank_, (arg + ".peer").c_str());
+    check_tag(fn, ops[i].tag);
+    Backend& own = backend_for(ops[i].tensor, (arg + ".tensor").c_str());
+    if (b != nullptr && b != &own) {
+      throw LayoutError(arg + ".tensor", std::string(fn) + ": '" + arg +
+                                             ".tensor' is on " + ops[i].tensor.device().str() +
+                                             " but ops[0].tensor on " +
+                                             ops[0].tensor.device().str() +
+                                             "; one batch uses one backend");
+    }
+    b = &own;
+    count_collective(what, name_, bytes_of(ops[i].tensor));
+  }
+  // Receives first, then sends, each by peer (stable: a peer's ops keep the
+  // caller's order, which is how NCCL and MPI match them).
+  std::vector<size_t> order(ops.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&ops](size_t a, size_t c) {
+    const bool ra = ops[a].kind == P2POp::Kind::Recv, rc = ops[c].kind == P2POp::Kind::Recv;
+    if (ra != rc) return ra;
+    return ops[a].peer < ops[c].peer;
+  });
+  std::vector<P2POp> sorted;
+  sorted.reserve(ops.size());
+  for (size_t i : order) sorted.push_back(ops[i]);
+  std::vector<WorkPtr> issued = b->batch_p2p(sorted);
+  std::vector<WorkPtr> out(ops.size());
+  for (size_t k = 0; k < order.size(); ++k) out[order[k]] = issued[k];
+  return out;
 }
 
 void ProcessGroupImpl::barrier() {

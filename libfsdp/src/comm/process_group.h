@@ -29,9 +29,11 @@ struct WorkInfo {
   uint64_t seq = 0;     // issue number on this group and backend, from 1
   int64_t bytes = 0;    // payload bytes (the input's; the tensor's for in-place ops)
   std::string backend;  // "mpi" or "nccl"
-  // "all_gather on ranks[0,1] #12 (mpi)"
+  std::string label;    // the caller's words for it (P2POp::label), may be empty
+  // "all_gather on ranks[0,1] #12 (mpi)", "send on ranks[0,1] #3 (mpi) [pp ...]"
   std::string describe() const {
-    return op + " on " + group + " #" + std::to_string(seq) + " (" + backend + ")";
+    return op + " on " + group + " #" + std::to_string(seq) + " (" + backend + ")" +
+           (label.empty() ? "" : " [" + label + "]");
   }
 };
 
@@ -104,6 +106,9 @@ class Backend {
   virtual WorkPtr all_to_all(at::Tensor out, at::Tensor in, SplitCounts counts, bool async_op) = 0;
   virtual WorkPtr send(at::Tensor t, int dst, int tag, bool async_op) = 0;
   virtual WorkPtr recv(at::Tensor t, int src, int tag, bool async_op) = 0;
+  // ops arrive validated and ordered (receives first, then sends, each by
+  // peer); returns their Works in that order.
+  virtual std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) = 0;
   virtual void barrier() = 0;
 };
 
@@ -142,6 +147,7 @@ class ProcessGroupImpl final : public ProcessGroup {
                             bool async_op) override;
   WorkPtr send(const at::Tensor& tensor, int dst, int tag, bool async_op) override;
   WorkPtr recv(at::Tensor tensor, int src, int tag, bool async_op) override;
+  std::vector<WorkPtr> batch_isend_irecv(std::vector<P2POp> ops) override;
   void barrier() override;
 
   // Frees the backends and the communicator; later calls throw StateError.

@@ -604,6 +604,41 @@ void FSDPModule::finish_pending_reductions() {
   for_units(unit(), true, [](UnitState& u) { u.finish_reductions(); });
 }
 
+void FSDPModule::reduce_gradients(bool recurse) {
+  std::vector<std::shared_ptr<UnitState>> units{unit().shared_from_this()};
+  if (recurse) units = unit().self_and_nested();
+  // Unit ids follow fully_shard's calls, the same on every rank: the
+  // collectives below go in one order everywhere.
+  std::sort(units.begin(), units.end(),
+            [](const auto& a, const auto& b) { return a->id > b->id; });
+  for (auto& u : units) {
+    if (u->lifecycle.state() != detail::Lifecycle::Idle) {
+      throw StateError("reduce_gradients: unit " + u->error_label() + " is in " +
+                       detail::to_string(u->lifecycle.state()) +
+                       "; call it between passes (after backward, before the next forward)");
+    }
+  }
+  for (auto& u : units) u->finish_reductions();  // left in flight by is_last_backward(false)
+  for (auto& u : units) {
+    // Whether a rank has a gradient is data, not a setting: every group
+    // that reduces at all runs its collectives; the presence flags in the
+    // buffer tell which parameters some rank had a gradient for.
+    for (auto& g : u->groups) {
+      if (g.reduces()) g.prepare_reduce(u->reduce_settings());
+    }
+  }
+  for (auto& u : units) {
+    for (auto& g : u->groups) g.issue_reduce();
+  }
+  for (auto& u : units) {
+    for (auto& g : u->groups) {
+      g.finish_reduce();
+      for (auto& p : g.params()) p.commit_pass(/*reduced=*/true);
+    }
+    u->reshard();
+  }
+}
+
 std::vector<std::pair<std::string, DTensor>> FSDPModule::sharded_parameters() const {
   std::vector<std::pair<std::string, DTensor>> out;
   for_params(unit(),
