@@ -9,5 +9,6 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
 #include "fsdp/runtime.h"
+#include "fsdp/pipeline.h"
 #include "fsdp/tensor_parallel.h"
 #include "fsdp/trace.h"
