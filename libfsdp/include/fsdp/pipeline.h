@@ -193,7 +193,9 @@ struct ScheduleOptions {
   // The same on every rank.
   ShapeMode shapes = ShapeMode::ExchangeOnce;
   // The data-parallel replicas the global count is summed over (the last
-  // stage's dp group); none: no data parallelism.
+  // stage's dp group); none: no data parallelism. With more than one dim
+  // (HSDP's (replicate, shard)) the Schedule constructor flattens it, which
+  // is collective over the world: construct Schedules on every rank.
   std::optional<DeviceMesh> dp_mesh;
   // A transfer pending longer than this aborts the job (see above).
   double p2p_timeout_s = 300.0;

@@ -60,6 +60,7 @@ struct Schedule::Impl {
   ScheduleOptions options;
   int pp = 1, v = 1, num_stages = 1, pp_rank = 0;
   ProcessGroupPtr pp_group;
+  ProcessGroupPtr dp_group;  // over dp_mesh's ranks: the global count's sum
   std::vector<Slot> slots;
   std::map<int, Local> locals;  // by global stage
   int64_t steps = 0;
@@ -364,6 +365,12 @@ Schedule::Schedule(std::vector<PipelineStage> stages, ScheduleKind kind, int n_m
   }
   s.loss = std::move(loss);
   s.slots = build_schedule(kind, s.pp, s.v, s.n)[static_cast<size_t>(s.pp_rank)];
+  if (s.options.dp_mesh) {
+    // flatten() is collective over the world: here, where every rank is,
+    // not in step(), where only the last stage's ranks sum the count.
+    const DeviceMesh& dp = *s.options.dp_mesh;
+    s.dp_group = dp.ndim() == 1 ? dp.get_group(0) : dp.flatten().get_group(0);
+  }
 }
 
 Schedule::~Schedule() = default;
@@ -392,9 +399,7 @@ StepResult Schedule::step(const at::Tensor& input, const at::Tensor& target) {
     int64_t count = 0;
     for (const auto& t : s.targets) count += s.loss.count(t);
     at::Tensor c = at::full({1}, count, at::kLong);
-    if (s.options.dp_mesh && s.options.dp_mesh->size() > 1) {
-      s.options.dp_mesh->flatten().get_group(0)->all_reduce(c);
-    }
+    if (s.dp_group && s.dp_group->size() > 1) s.dp_group->all_reduce(c);
     s.global_count = c.item<int64_t>();
     if (s.global_count <= 0) {
       throw ArgumentError("target", "Schedule::step: LossSpec::count summed to " +
