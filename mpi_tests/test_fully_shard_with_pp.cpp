@@ -21,6 +21,10 @@
 // the world -- the gradient of the global mean loss, equal in exact
 // arithmetic to PP2 x FSDP2 on the same batch (PARALLELISM.md 6.6.2).
 //
+// With 2 microbatches a microbatch is exactly one DDP rank's 4 rows and the
+// sums group as in the 4-rank all-reduce, so PP and DDP agree bitwise; with
+// 4 microbatches (2 rows) the summation order differs (~1e-7).
+//
 // Per configuration, two steps, each followed by torch::optim::AdamW (lr
 // 1e-2, on the stage shards / on the full parameters), at 1e-5:
 //   1. loss: broadcast_loss on every rank is the dp replica's share of the
@@ -77,8 +81,20 @@ namespace {
 
 constexpr double kTol = 1e-5;  // plan: PP + FSDP, fp32
 constexpr int64_t kWidth = 16, kOut = 5, kBlocks = 6, kRows = 16, kDp = 2, kPp = 2;
-constexpr int64_t kModelSeed = 2009;
+constexpr int64_t kModelSeed = 1;
+constexpr int64_t kDataSeed = 9000, kSeqDataSeed = 9600;
 constexpr double kLr = 1e-2;
+// Conditioning of the AdamW comparison. AdamW's first update is
+// lr * g / (|g| + eps); its derivative lr * eps / (|g| + eps)^2 reaches
+// lr / eps = 1e6 at g = 0, so a gradient element within ~1e-6 of zero turns
+// the ~1e-9 rounding difference of two correct summation orders into a
+// parameter difference above 1e-5 (model seed 2009 has an element of 3e-8:
+// PP and DDP gradients agreed to 2e-10 there, the parameters after AdamW
+// by 1.4e-5). The data are chosen so that no element of the reference
+// gradients is that small, and that is asserted: other data fail with this
+// explanation instead of a spurious parity failure (data seeds 9100-9500
+// and 9800 of the dynamic-sequence case fail it; 9600 passes).
+constexpr double kGradMargin = 1e-6;
 
 // ---------------------------------------------------------------------------
 // The model
@@ -163,7 +179,7 @@ struct Batch {
 
 // The step's global batch, identical on every rank.
 Batch global_batch(int step, int64_t seq) {
-  at::manual_seed(9000 + step);
+  at::manual_seed((seq > 0 ? kSeqDataSeed : kDataSeed) + step);
   std::vector<int64_t> xs = {kRows, kWidth}, ys = {kRows, kOut};
   if (seq > 0) {
     xs.insert(xs.begin() + 1, seq);
@@ -351,6 +367,8 @@ struct DdpRun {
   std::vector<Named> grads;                    // per step: full, all-reduced
   std::vector<Named> boundary;                 // per step: d loss / d h by boundary_key
   Named params;                                // full, after the AdamW steps
+  double min_abs_grad = 1e300;                 // smallest |element| of any gradient
+  std::string min_abs_where;
 };
 
 // `local_stages`: the stages whose boundary gradients this rank's pipeline
@@ -400,6 +418,13 @@ DdpRun run_ddp(const Config& c, const std::vector<int>& local_stages, int dp_ran
       at::Tensor grad = item.value().mutable_grad();
       fsdp::world_group()->all_reduce(grad, fsdp::ReduceOp::SUM);
       g[item.key()] = host_clone(grad);
+    }
+    for (const auto& [name, t] : g) {
+      const double m = t.abs().min().item<double>();
+      if (m < d.min_abs_grad) {
+        d.min_abs_grad = m;
+        d.min_abs_where = "step " + std::to_string(step) + " " + name;
+      }
     }
     d.grads.push_back(std::move(g));
     opt.step();
@@ -480,6 +505,11 @@ void check_config(const Config& c) {
 
     const PPRun run = run_pp(c);
     const DdpRun ddp = run_ddp(c, run.local_stages, dp_rank);
+    BOOST_TEST(ddp.min_abs_grad >= kGradMargin,
+               "conditioning: the DDP gradient element " << ddp.min_abs_grad << " ("
+                   << ddp.min_abs_where << ") is within " << kGradMargin
+                   << " of zero, where AdamW amplifies rounding by up to lr/eps; choose other "
+                      "data (kModelSeed)");
     l1::Report report(c.id);
     const std::string n_steps = std::to_string(c.steps()) + " steps";
 
