@@ -34,7 +34,8 @@
 // backward. Gradients are therefore already the global mean: stage FSDP units
 // reduce with divide factor 1 (PipelineStage sets it), and nothing divides by
 // the number of microbatches. StepResult::losses holds the scaled microbatch
-// losses: their sum is the step's mean loss.
+// losses: their sum over microbatches and data-parallel replicas is the
+// step's mean loss (broadcast_loss with the dp mesh returns it).
 //
 // Errors: bad arguments -> ArgumentError naming them; an activation whose
 // shape differs from the one agreed (ShapeMode) -> ShapeError; a transfer that does
@@ -202,10 +203,11 @@ struct ScheduleOptions {
 };
 
 struct StepResult {
-  // Last stage's microbatch losses (scaled; sum = the step's mean loss), on
-  // the ranks of the last stage; empty elsewhere (see broadcast_loss).
+  // Last stage's microbatch losses (scaled by 1 / global_count), on the
+  // ranks of the last stage; empty elsewhere (see broadcast_loss).
   std::vector<at::Tensor> losses;
-  int64_t global_count = 0;  // the divisor used (on every rank)
+  // The divisor used, on the last stage's ranks (0 elsewhere).
+  int64_t global_count = 0;
   // This rank's step wall time and the part spent in compute actions (s).
   double step_seconds = 0;
   double busy_seconds = 0;
@@ -243,9 +245,12 @@ class Schedule {
   std::unique_ptr<Impl> impl_;
 };
 
-// The sum of the last stage's losses of a step (its mean loss), on every
-// rank of pp_mesh (a broadcast from the last stage's pp rank).
-double broadcast_loss(const StepResult& result, const DeviceMesh& pp_mesh, int num_stages);
+// The sum of the last stage's losses of a step on every rank of pp_mesh (a
+// broadcast from the last stage's pp rank): this data-parallel replica's
+// share of the mean loss; with dp_mesh (the schedule's) also summed over the
+// replicas: the step's mean loss. Collective over pp_mesh (and dp_mesh).
+double broadcast_loss(const StepResult& result, const DeviceMesh& pp_mesh, int num_stages,
+                      const std::optional<DeviceMesh>& dp_mesh = std::nullopt);
 
 // Bubble fraction of a step: (step time - busy time) / step time on the
 // slowest rank of `mesh` (the rank with the longest step). Collective over

@@ -88,10 +88,10 @@ void check_peer(const char* fn, int peer, int size, int self, const char* arg) {
   }
 }
 
-void check_tag(const char* fn, int tag) {
+void check_tag(const char* fn, int tag, const std::string& arg = "tag") {
   if (tag < 0 || tag > 32767) {
-    throw ArgumentError("tag", std::string(fn) + ": 'tag' = " + std::to_string(tag) +
-                                   "; accepted: 0..32767");
+    throw ArgumentError(arg, std::string(fn) + ": '" + arg + "' = " + std::to_string(tag) +
+                                 "; accepted: 0..32767");
   }
 }
 
@@ -298,10 +298,9 @@ std::vector<WorkPtr> ProcessGroupImpl::batch_isend_irecv(std::vector<P2POp> ops)
   Backend* b = nullptr;
   for (size_t i = 0; i < ops.size(); ++i) {
     const std::string arg = "ops[" + std::to_string(i) + "]";
-    const char* what = ops[i].kind == P2POp::Kind::Send ? "send" : "recv";
     check_one(fn, ops[i].tensor, (arg + ".tensor").c_str());
     check_peer(fn, ops[i].peer, size_, rank_, (arg + ".peer").c_str());
-    check_tag(fn, ops[i].tag);
+    check_tag(fn, ops[i].tag, arg + ".tag");
     Backend& own = backend_for(ops[i].tensor, (arg + ".tensor").c_str());
     if (b != nullptr && b != &own) {
       throw LayoutError(arg + ".tensor", std::string(fn) + ": '" + arg +
@@ -311,7 +310,10 @@ std::vector<WorkPtr> ProcessGroupImpl::batch_isend_irecv(std::vector<P2POp> ops)
                                              "; one batch uses one backend");
     }
     b = &own;
-    count_collective(what, name_, bytes_of(ops[i].tensor));
+  }
+  // Counted once the whole batch is accepted: a rejected call counts nothing.
+  for (const P2POp& op : ops) {
+    count_collective(op.kind == P2POp::Kind::Send ? "send" : "recv", name_, bytes_of(op.tensor));
   }
   // Receives first, then sends, each by peer (stable: a peer's ops keep the
   // caller's order, which is how NCCL and MPI match them).

@@ -72,8 +72,10 @@ struct Schedule::Impl {
 
   Local& local(int stage) { return locals.at(stage); }
 
-  int tag(int stage, Direction d, int mb) const {
-    return static_cast<int>(((static_cast<int64_t>(stage) * 3 + d) * n + mb) % 32768);
+  // Independent of the microbatch count, so that ranks that disagree on it
+  // cannot pair a message with the wrong receive (they time out instead).
+  static int tag(int stage, Direction d, int mb) {
+    return (mb % 1024) * 32 + (stage % 10) * 3 + d;
   }
 
   std::string label(const Action& a, bool header) const {
@@ -448,12 +450,16 @@ at::Tensor Schedule::received_output_grad(int stage, int microbatch) const {
   return static_cast<size_t>(microbatch) < grads.size() ? grads[microbatch] : at::Tensor();
 }
 
-double broadcast_loss(const StepResult& result, const DeviceMesh& pp_mesh, int num_stages) {
+double broadcast_loss(const StepResult& result, const DeviceMesh& pp_mesh, int num_stages,
+                      const std::optional<DeviceMesh>& dp_mesh) {
   const int root = stage_rank(num_stages - 1, static_cast<int>(pp_mesh.size()));
   double sum = 0;
   for (const auto& l : result.losses) sum += l.item<double>();
   at::Tensor t = at::full({1}, sum, at::kDouble);
   if (pp_mesh.size() > 1) pp_mesh.get_group(0)->broadcast(t, root);
+  if (dp_mesh && dp_mesh->size() > 1) {
+    for (int d = 0; d < dp_mesh->ndim(); ++d) dp_mesh->get_group(d)->all_reduce(t);
+  }
   return t.item<double>();
 }
 

@@ -34,7 +34,8 @@ PipelineStage::PipelineStage(std::shared_ptr<torch::nn::Module> module, ForwardF
   const int here = pp_mesh.get_local_rank(0);
   if (stage_rank(stage_index, pp) != here) {
     throw ArgumentError("stage_index",
-                        "PipelineStage: stage " + std::to_string(stage_index) + " runs on pp rank " +
+                        "PipelineStage: 'stage_index' = " + std::to_string(stage_index) +
+                            " runs on pp rank " +
                             std::to_string(stage_rank(stage_index, pp)) +
                             " (stage % pp size), but this rank is pp rank " + std::to_string(here));
   }
