@@ -940,13 +940,11 @@ BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_label_while_pending) {
 
 namespace {
 
-// `call` throws exactly E naming `argument` (argument() and, quoted, what()),
-// and counts nothing: a rejected batch issues nothing.
+// `call` throws exactly E naming `argument` (argument() and, quoted, what()).
 template <typename E>
 void expect_batch_error(const std::string& label, const std::string& argument,
                         const std::function<void()>& call) {
   BOOST_TEST_CONTEXT(label) {
-    const fsdp::CollectiveCounters before = fsdp::collective_counters();
     try {
       call();
       BOOST_ERROR("no exception");
@@ -959,11 +957,37 @@ void expect_batch_error(const std::string& label, const std::string& argument,
     } catch (const std::exception& e) {
       BOOST_ERROR("threw a non-ArgumentError: " << e.what());
     }
-    const fsdp::CollectiveCounters after = fsdp::collective_counters();
-    BOOST_CHECK_MESSAGE(all_counts(after) == all_counts(before),
-                        "the rejected batch was counted: " << all_counts(after) - all_counts(before)
-                                                           << " ops");
   }
+}
+
+// Batches that are invalid in one op (the last): a bad peer, an undefined
+// tensor, a non-contiguous tensor, a bad tag -- after valid ones.
+std::vector<std::pair<std::string, std::vector<P2POp>>> rejected_batches(const ProcessGroup& g) {
+  using K = P2POp::Kind;
+  const int peer = (g.rank() + 1) % g.size();
+  const at::Tensor t = at::ones({6}, at::TensorOptions(at::kFloat).device(spmd::device()));
+  const at::Tensor nc = at::ones({4, 6}, t.options()).t();
+  return {
+      {"bad peer in ops[1]", {p2p(K::Send, t, peer, 0), p2p(K::Recv, t.clone(), g.size() + 3, 0)}},
+      {"undefined tensor in ops[1]", {p2p(K::Send, t, peer, 0), p2p(K::Recv, at::Tensor(), peer, 0)}},
+      {"non-contiguous in ops[2]",
+       {p2p(K::Recv, t.clone(), peer, 0), p2p(K::Send, t, peer, 0), p2p(K::Recv, nc, peer, 1)}},
+      {"tag 32768 in ops[1]", {p2p(K::Send, t, peer, 0), p2p(K::Send, t, peer, 32768)}},
+  };
+}
+
+// The group still exchanges correctly (nothing half-issued is left behind).
+void check_batch_still_works(ProcessGroup& g) {
+  using K = P2POp::Kind;
+  const int next = (g.rank() + 1) % g.size();
+  const int prev = (g.rank() + g.size() - 1) % g.size();
+  const at::Tensor out = make_input(at::kFloat, 7, g.rank(), 40).to(spmd::device());
+  const std::vector<at::Tensor> all = exchange(g, out);
+  at::Tensor in = filled({7}, at::kFloat);
+  for (const WorkPtr& w : counted_batch(g, {p2p(K::Send, out, next, 0), p2p(K::Recv, in, prev, 0)})) {
+    finish(w, true);
+  }
+  CHECK_MATCH(in, at::kFloat, exact(all[static_cast<size_t>(prev)]));
 }
 
 }  // namespace
@@ -1003,30 +1027,55 @@ BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_errors) {
         g.batch_isend_irecv({p2p(K::Recv, t.clone(), peer, 0), p2p(K::Send, t, peer, 0),
                              p2p(K::Recv, nc, peer, 1)});
       });
-      // "Errors as for send/recv, naming ops[i]": the tag too.
-      {
-        const fsdp::CollectiveCounters b = fsdp::collective_counters();
+      check_batch_still_works(g);
+    }
+  }
+}
+
+// "Errors as for send/recv, naming ops[i]" (comm.h): a bad tag too.
+BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_bad_tag_names_the_op) {
+  using K = P2POp::Kind;
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    if (g.size() < 2) continue;
+    const int peer = (g.rank() + 1) % g.size();
+    const at::Tensor t = at::ones({6}, at::TensorOptions(at::kFloat).device(spmd::device()));
+    BOOST_TEST_CONTEXT("group " << tg.label) {
+      for (const int tag : {32768, -1}) {
         try {
-          g.batch_isend_irecv({p2p(K::Send, t, peer, 0), p2p(K::Send, t, peer, 32768)});
-          BOOST_ERROR("tag 32768: no exception");
+          g.batch_isend_irecv({p2p(K::Send, t, peer, 0), p2p(K::Send, t, peer, tag)});
+          BOOST_ERROR("tag " << tag << ": no exception");
         } catch (const fsdp::ArgumentError& e) {
           const std::string msg = e.what();
           BOOST_TEST(msg.find("ops[1]") != std::string::npos, "does not name ops[1]: " << msg);
-          BOOST_TEST(msg.find("32768") != std::string::npos, "does not quote the tag: " << msg);
+          BOOST_TEST(msg.find(std::to_string(tag)) != std::string::npos,
+                     "does not quote the tag: " << msg);
         }
-        BOOST_TEST(all_counts(fsdp::collective_counters()) == all_counts(b),
-                   "the rejected batch was counted");
       }
-      // The group still exchanges correctly afterwards.
-      const int prev = (g.rank() + g.size() - 1) % g.size();
-      const at::Tensor out = make_input(at::kFloat, 7, g.rank(), 40).to(spmd::device());
-      const std::vector<at::Tensor> all = exchange(g, out);
-      at::Tensor in = filled({7}, at::kFloat);
-      for (const WorkPtr& w :
-           counted_batch(g, {p2p(K::Send, out, peer, 0), p2p(K::Recv, in, prev, 0)})) {
-        finish(w, true);
-      }
-      CHECK_MATCH(in, at::kFloat, exact(all[static_cast<size_t>(prev)]));
+      check_batch_still_works(g);
     }
+  }
+}
+
+// A rejected batch issues and counts nothing -- also when the bad op comes
+// after valid ones (the counters count collectives as they are issued).
+BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_rejected_batch_counts_nothing) {
+  for (const TestGroup& tg : test_groups()) {
+    ProcessGroup& g = *tg.group;
+    if (g.size() < 2) continue;
+    for (const auto& batch : rejected_batches(g)) {
+      const std::string& label = batch.first;
+      const std::vector<P2POp>& ops = batch.second;
+      BOOST_TEST_CONTEXT("group " << tg.label << ", " << label) {
+        const fsdp::CollectiveCounters before = fsdp::collective_counters();
+        BOOST_CHECK_THROW(g.batch_isend_irecv(ops), fsdp::ArgumentError);
+        const fsdp::CollectiveCounters after = fsdp::collective_counters();
+        BOOST_TEST(all_counts(after) == all_counts(before),
+                   "the rejected batch was counted: " << all_counts(after) - all_counts(before)
+                                                      << " ops");
+        BOOST_TEST(after.sequence.size() == before.sequence.size());
+      }
+    }
+    check_batch_still_works(g);
   }
 }
