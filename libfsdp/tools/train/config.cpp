@@ -29,12 +29,63 @@ int64_t parse_dim(const std::string& text, const std::string& spec) {
   return v;
 }
 
+// --schedule, --stages-per-rank and --microbatches against --pp, --layers and
+// the per-pipeline batch (the checks fsdp::pp::build_schedule would make,
+// named by the flags).
+void resolve_pipeline(TrainConfig& cfg) {
+  if (cfg.schedule.empty()) cfg.schedule = "1f1b";
+  const bool interleaved = cfg.schedule == "interleaved";
+  if (cfg.stages_per_rank == 0) cfg.stages_per_rank = interleaved ? 2 : 1;
+  if (cfg.stages_per_rank < 1) {
+    throw ConfigError(fmt::format("--stages-per-rank {}: must be >= 1", cfg.stages_per_rank));
+  }
+  if (cfg.stages_per_rank > 1 && !interleaved) {
+    throw ConfigError(fmt::format(
+        "--stages-per-rank {}: only --schedule interleaved runs several stages per rank "
+        "(--schedule {} runs one)",
+        cfg.stages_per_rank, cfg.schedule));
+  }
+  const int64_t stages = cfg.num_stages();
+  if (cfg.layers < stages || cfg.layers % stages != 0) {
+    throw ConfigError(fmt::format(
+        "--layers {}: the decoder's {} layers do not split evenly into {} pipeline stages "
+        "(--pp {} x --stages-per-rank {}); use a number of layers divisible by {}",
+        cfg.layers, cfg.layers, stages, cfg.pp, cfg.stages_per_rank, stages));
+  }
+  const int64_t local = cfg.local_batch();
+  if (cfg.microbatches == 0) cfg.microbatches = local;
+  const std::string per_pipeline = fmt::format(
+      "the per-pipeline batch is {} sequences (--batch {} / {} data-parallel ranks)", local,
+      cfg.batch, cfg.dp_size);
+  if (cfg.microbatches < 1 || local % cfg.microbatches != 0) {
+    throw ConfigError(fmt::format("--microbatches {}: must divide the per-pipeline batch; {}",
+                                  cfg.microbatches, per_pipeline));
+  }
+  if (cfg.schedule != "gpipe" && cfg.microbatches < cfg.pp) {
+    throw ConfigError(fmt::format(
+        "--microbatches {}: --schedule {} needs at least --pp {} microbatches ({})",
+        cfg.microbatches, cfg.schedule, cfg.pp, per_pipeline));
+  }
+  if (interleaved && cfg.microbatches % cfg.pp != 0) {
+    throw ConfigError(fmt::format(
+        "--microbatches {}: --schedule interleaved needs a multiple of --pp {} ({})",
+        cfg.microbatches, cfg.pp, per_pipeline));
+  }
+}
+
 }  // namespace
 
 std::string TrainConfig::mesh_string() const {
   const std::string dims = mesh_shape.size() == 2
                                ? fmt::format("[{}x{}]", mesh_shape[0], mesh_shape[1])
                                : fmt::format("[{}]", mesh_shape.empty() ? 0 : mesh_shape[0]);
+  if (pipelined()) {
+    return fmt::format("pp {} x {} (PP + {}: {}{}, {} microbatches of {})", pp, dims,
+                       hsdp() ? "HSDP" : "FSDP", schedule,
+                       stages_per_rank > 1 ? fmt::format(", {} stages per rank", stages_per_rank)
+                                           : "",
+                       microbatches, local_batch() / microbatches);
+  }
   if (tp == 1) {
     return dims + (hsdp() ? " (replicate x shard, HSDP)" : " (FSDP)");
   }
@@ -52,7 +103,8 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
   cfg.data = FSDP_TRAIN_CORPUS;
   app.add_option("--mesh", cfg.mesh,
                  "the data-parallel mesh: N (1-D FSDP) or RxS (HSDP: R replicas x S shards); "
-                 "the product times --tp must be the world size [default: 1-D, world / tp]");
+                 "the product times --tp times --pp must be the world size [default: 1-D, "
+                 "world / (tp pp)]");
   app.add_option("--tp", cfg.tp,
                  "tensor-parallel size: the mesh is (--mesh..., tp), each tp group of adjacent "
                  "ranks splitting heads, SwiGLU and vocab (Megatron layout) and training on one "
@@ -63,11 +115,35 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                "(--seq must divide by tp)");
   app.add_flag("--loss-parallel", cfg.loss_parallel,
                "with --tp: cross-entropy on the vocab-split logits, never gathering them");
+  app.add_option("--pp", cfg.pp,
+                 "pipeline-parallel size: the mesh is (pp, --mesh...), pp outermost; the decoder's "
+                 "layers are cut into pp x --stages-per-rank stages (embedding on the first, "
+                 "final norm and output on the last), each stage sharded over its data-parallel "
+                 "ranks, which all read the same rows")
+      ->capture_default_str();
+  app.add_option("--schedule", cfg.schedule,
+                 "with --pp: gpipe (all forwards, then all backwards), 1f1b, or interleaved "
+                 "(interleaved 1F1B, several stages per rank) [default: 1f1b]")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}));
+  app.add_option("--microbatches", cfg.microbatches,
+                 "with --pp: microbatches per step, dividing the per-pipeline batch (--batch / "
+                 "data-parallel ranks); 1f1b and interleaved need at least --pp, interleaved a "
+                 "multiple of it [default: one per sequence]");
+  app.add_option("--stages-per-rank", cfg.stages_per_rank,
+                 "with --pp: pipeline stages on each rank (looped: rank r holds stages r, r + pp, "
+                 "...); more than 1 needs --schedule interleaved [default: 1, 2 for interleaved]");
+  app.add_option("--layers", cfg.layers,
+                 "decoder layers (with --pp they must divide by the number of stages)")
+      ->capture_default_str();
   app.add_option("--mp", cfg.mp, "fp32, or bf16 (bf16 parameters/compute, fp32 gradient reduction)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   app.add_option("--reshard-after-forward", cfg.reshard_after_forward,
-                 "free the gathered parameters after forward (true|false)")
+                 "free the gathered parameters after forward (true|false); with --pp the "
+                 "default is false: each stage's layers stay gathered across the step's "
+                 "microbatches (one all-gather per layer per step), true re-gathers them for "
+                 "each microbatch")
+      ->each([&cfg](const std::string&) { cfg.reshard_after_forward_given = true; })
       ->capture_default_str();
   app.add_option("--ac", cfg.ac, "activation checkpointing of the decoder layers: none|all|every-2")
       ->check(CLI::IsMember({"none", "all", "every-2"}))
@@ -109,8 +185,34 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
         "--tp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the tp size",
         cfg.tp, world_size, world_size));
   }
+  if (cfg.pp < 1) throw ConfigError(fmt::format("--pp {}: must be >= 1", cfg.pp));
+  if (cfg.pp == 1) {
+    const char* flag = !cfg.schedule.empty()      ? "--schedule"
+                       : cfg.microbatches != 0    ? "--microbatches"
+                       : cfg.stages_per_rank != 0 ? "--stages-per-rank"
+                                                  : nullptr;
+    if (flag != nullptr) {
+      throw ConfigError(
+          fmt::format("{}: needs pipeline parallelism (--pp 2 or more)", flag));
+    }
+    cfg.stages_per_rank = 1;
+  } else {
+    if (cfg.tp > 1) {
+      throw ConfigError(fmt::format(
+          "--pp {}: pipeline parallelism does not combine with --tp {} in fsdp-train; use one "
+          "of them (with data parallelism over the other ranks)",
+          cfg.pp, cfg.tp));
+    }
+    if (world_size % cfg.pp != 0) {
+      throw ConfigError(fmt::format(
+          "--pp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the pp size",
+          cfg.pp, world_size, world_size));
+    }
+  }
+  if (cfg.layers < 1) throw ConfigError(fmt::format("--layers {}: must be >= 1", cfg.layers));
+  const int64_t model_parallel = cfg.tp * cfg.pp;
   if (cfg.mesh.empty()) {
-    cfg.mesh_shape = {world_size / cfg.tp};
+    cfg.mesh_shape = {world_size / model_parallel};
   } else {
     const auto x = cfg.mesh.find('x');
     if (x == std::string::npos) {
@@ -122,16 +224,20 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
   }
   int64_t product = 1;
   for (auto d : cfg.mesh_shape) product *= d;
-  if (product * cfg.tp != world_size) {
+  if (product * model_parallel != world_size) {
+    const std::string with = cfg.tp > 1   ? fmt::format(" with --tp {}", cfg.tp)
+                             : cfg.pp > 1 ? fmt::format(" with --pp {}", cfg.pp)
+                                          : "";
     throw ConfigError(fmt::format(
         "--mesh {}: the mesh has {} ranks{} but the job has {} (mpiexec -n {}); the product of "
         "the mesh dims{} must equal the world size",
-        cfg.mesh, product * cfg.tp, cfg.tp > 1 ? fmt::format(" with --tp {}", cfg.tp) : "",
-        world_size, world_size, cfg.tp > 1 ? " times --tp" : ""));
+        cfg.mesh, product * model_parallel, with, world_size, world_size,
+        cfg.tp > 1 ? " times --tp" : cfg.pp > 1 ? " times --pp" : ""));
   }
   // FSDP and HSDP alike: every data-parallel coordinate takes its own slice
-  // of the global batch, shared by the tp ranks there.
-  cfg.dp_size = world_size / cfg.tp;
+  // of the global batch, shared by the tp ranks there (by the stages of its
+  // pipeline with --pp).
+  cfg.dp_size = world_size / model_parallel;
   if (cfg.steps < 1) throw ConfigError(fmt::format("--steps {}: must be >= 1", cfg.steps));
   if (cfg.seq < 1) throw ConfigError(fmt::format("--seq {}: must be >= 1", cfg.seq));
   if (cfg.batch < 1 || cfg.batch % cfg.dp_size != 0) {
@@ -139,6 +245,7 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
         "--batch {}: the global batch must be a positive multiple of the data-parallel size {}",
         cfg.batch, cfg.dp_size));
   }
+  if (cfg.pipelined()) resolve_pipeline(cfg);
   if (!(cfg.lr > 0) || !std::isfinite(cfg.lr)) {
     throw ConfigError(fmt::format("--lr {}: must be > 0", cfg.lr));
   }
@@ -181,13 +288,21 @@ nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t dat
                {"sequence_parallel", cfg.sequence_parallel},
                {"loss_parallel", cfg.loss_parallel}};
   }
+  // Likewise absent without --pp. The schedule is recorded too: it orders
+  // the microbatches' gradient accumulation.
+  if (cfg.pipelined()) {
+    j["pp"] = {{"size", cfg.pp},
+               {"schedule", cfg.schedule},
+               {"stages_per_rank", cfg.stages_per_rank},
+               {"microbatches", cfg.microbatches}};
+  }
   return j;
 }
 
 void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& current,
                          const std::string& where) {
   // The world size and the layout first: they explain most mismatches.
-  std::vector<std::string> keys = {"world", "mesh", "tp"};
+  std::vector<std::string> keys = {"world", "mesh", "tp", "pp"};
   for (const auto* side : {&current, &saved}) {
     for (auto it = side->begin(); it != side->end(); ++it) {
       if (std::find(keys.begin(), keys.end(), it.key()) == keys.end()) keys.push_back(it.key());
@@ -202,9 +317,10 @@ void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& curr
     if (current.contains(key) && saved.contains(key) && saved.at(key) == current.at(key)) continue;
     throw ConfigError(fmt::format(
         "--resume: {} was written with {} = {}, but this run has {} = {}; resume with the "
-        "same world size, --mesh, --tp, --sequence-parallel, --loss-parallel, --mp, --batch, "
-        "--seq, --seed, --lr, --clip and --data (or start afresh without --resume / with "
-        "another --out)",
+        "same world size, --mesh, --tp, --sequence-parallel, --loss-parallel, --pp, "
+        "--schedule, --stages-per-rank, --microbatches, --layers, --mp, --batch, --seq, "
+        "--seed, --lr, --clip and --data (or start afresh without --resume / with another "
+        "--out)",
         where, key, text(saved, key), key, text(current, key)));
   }
 }

@@ -25,12 +25,18 @@ struct TrainConfig {
   int64_t heads = 4;
   int64_t layers = 4;
 
-  std::string mesh;  // data-parallel part: "" = the world / tp; "N" or "RxS"
+  std::string mesh;  // data-parallel part: "" = the world / (tp pp); "N" or "RxS"
   int64_t tp = 1;    // tensor-parallel size: the mesh is (mesh..., tp)
   bool sequence_parallel = false;
   bool loss_parallel = false;
+  // Pipeline parallelism: the mesh is (pp, mesh...), pp outermost.
+  int64_t pp = 1;
+  std::string schedule;         // "" = 1f1b (with --pp)
+  int64_t microbatches = 0;     // 0 = one per sequence of the per-pipeline batch
+  int64_t stages_per_rank = 0;  // 0 = 1, or 2 for interleaved
   std::string mp = "fp32";
   bool reshard_after_forward = true;
+  bool reshard_after_forward_given = false;  // --reshard-after-forward on the command line
   std::string ac = "none";
   int64_t steps = 100;
   int64_t batch = 8;
@@ -47,12 +53,17 @@ struct TrainConfig {
   int64_t log_every = 0;    // 0 = automatic
 
   // Resolved by resolve().
-  std::vector<int64_t> mesh_shape;  // the data-parallel dims, without tp
-  int64_t dp_size = 1;  // data-parallel ranks (= world size / tp)
+  std::vector<int64_t> mesh_shape;  // the data-parallel dims, without tp or pp
+  int64_t dp_size = 1;  // data-parallel ranks (= world size / (tp pp))
 
   bool bf16() const { return mp == "bf16"; }
   bool hsdp() const { return mesh_shape.size() == 2; }
-  // "[2] (FSDP)", "[2x2] (replicate x shard, HSDP)", "[2] x tp 2 (FSDP + TP, ...)"
+  bool pipelined() const { return pp > 1; }
+  int64_t num_stages() const { return pp * stages_per_rank; }
+  // Sequences per data-parallel rank (with --pp: a pipeline's batch).
+  int64_t local_batch() const { return batch / dp_size; }
+  // "[2] (FSDP)", "[2x2] (replicate x shard, HSDP)", "[2] x tp 2 (FSDP + TP, ...)",
+  // "pp 2 x [2] (PP + FSDP, 1f1b, 4 microbatches)"
   std::string mesh_string() const;
   double tolerance() const;
 };
@@ -62,7 +73,9 @@ void add_flags(CLI::App& app, TrainConfig& cfg);
 
 // Parses the mesh, checks every flag against the world size and the corpus
 // size; ConfigError naming the flag otherwise. Whether the model's dims
-// divide by --tp is the TP layers' check (see shard_decoder).
+// divide by --tp is the TP layers' check (see shard_decoder). With --pp:
+// resolves --schedule, --stages-per-rank and --microbatches, and checks that
+// the layers split into the stages and the microbatches into the batch.
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes);
 
 // What a checkpoint records and --resume requires to match: everything that

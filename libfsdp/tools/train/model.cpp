@@ -36,8 +36,6 @@ int64_t parameter_count(const models::Decoder& net) {
   return n;
 }
 
-namespace {
-
 fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::DeviceMesh& mesh) {
   fsdp::FullyShardOptions options;
   options.mesh = mesh;
@@ -51,6 +49,11 @@ fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::Device
   }
   return options;
 }
+
+at::Tensor inputs_of(const at::Tensor& tokens) { return tokens.narrow(1, 0, tokens.size(1) - 1); }
+at::Tensor targets_of(const at::Tensor& tokens) { return tokens.narrow(1, 1, tokens.size(1) - 1); }
+
+namespace {
 
 // Bottom-up: each layer, then the root unit (embedding, tied output, final
 // norm). Decoder: models::Decoder or models::TPDecoder.
@@ -85,9 +88,6 @@ models::TPDecoder build_tp_decoder(const models::Decoder& net, const TrainConfig
         cfg.vocab, cfg.heads, decoder_config(cfg).ffn_dim(), e.what()));
   }
 }
-
-at::Tensor inputs_of(const at::Tensor& tokens) { return tokens.narrow(1, 0, tokens.size(1) - 1); }
-at::Tensor targets_of(const at::Tensor& tokens) { return tokens.narrow(1, 1, tokens.size(1) - 1); }
 
 }  // namespace
 

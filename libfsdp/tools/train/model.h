@@ -30,16 +30,31 @@ models::Decoder build_decoder(const TrainConfig& cfg);
 
 int64_t parameter_count(const models::Decoder& net);
 
+struct Pipeline;  // pipeline.h
+
 struct ShardedDecoder {
   // models::Decoder, or models::TPDecoder with --tp: the optimizer's
-  // parameters, named as in the plain decoder.
+  // parameters, named as in the plain decoder. With --pp: a module holding
+  // this rank's stages' pieces under the plain decoder's names (plus the
+  // last stage's tied "output.weight", see pipeline.h).
   std::shared_ptr<torch::nn::Module> net;
   // Mean next-byte cross-entropy of `tokens` [b, seq + 1], forward routed
-  // through the root unit (the same value on every tp rank).
+  // through the root unit (the same value on every tp rank). Unset with --pp
+  // (pipeline_step runs the step).
   std::function<at::Tensor(const at::Tensor& tokens)> loss;
   // Each unit with the prefix of its parameter names in net->named_parameters().
   std::vector<std::pair<std::string, fsdp::FSDPModule>> units;
+  // With --pp: the stages and their schedule.
+  std::shared_ptr<Pipeline> pipeline;
 };
+
+// FSDP's options on `mesh` (its dims "shard", and "replicate" for HSDP;
+// others carried through) for the job's precision and resharding.
+fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::DeviceMesh& mesh);
+
+// tokens [b, seq + 1] -> the inputs [b, seq] and the next-byte targets [b, seq].
+at::Tensor inputs_of(const at::Tensor& tokens);
+at::Tensor targets_of(const at::Tensor& tokens);
 
 // fully_shard on each layer, then the root, on `mesh` (dims "shard", with
 // "replicate" for HSDP and "tp" with --tp); --ac marks layers. With --tp,

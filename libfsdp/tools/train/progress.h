@@ -5,10 +5,14 @@
 // tok/s counts the global batch's tokens over the step's wall time; the
 // memory is every rank's peak resident set (getrusage ru_maxrss), gathered to
 // rank 0; the ETA is the mean step time of this process times the steps left.
+// With --pp the line also shows the step's pipeline bubble after tok/s
+// ("bubble 0.333": fsdp::pp::bubble_fraction, the idle share of the slowest
+// rank's schedule step).
 #pragma once
 
 #include <cstdint>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,7 +63,8 @@ class Progress {
   double record(double seconds);
   // Whether `step` gets a progress line.
   bool should_log(int64_t step) const;
-  std::string line(int64_t step, double loss, const MemoryPeak& mem) const;
+  std::string line(int64_t step, double loss, const MemoryPeak& mem,
+                   std::optional<double> bubble = std::nullopt) const;
   double mean_step_seconds() const;
   double total_seconds() const { return total_; }
   int64_t steps_done() const { return done_; }
