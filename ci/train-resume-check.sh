@@ -6,13 +6,15 @@
 #
 #   ci/train-resume-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
-# Env: MPIEXEC (default mpiexec), NP (default 2), STEPS (default 6, even).
-# CTest runs it as fsdp_train_resume_np2.
+# Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS (extra mpiexec flags, e.g.
+# --oversubscribe), NP (default 2), STEPS (default 6, even).
+# CTest runs it as fsdp_train_resume_np2 (and the tp / pp variants).
 set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
 mpiexec="${MPIEXEC:-mpiexec}"
+read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
 np="${NP:-2}"
 steps="${STEPS:-6}"
 half=$((steps / 2))
@@ -23,7 +25,7 @@ rm -rf "$work"
 mkdir -p "$work"
 a="$work/straight" b="$work/resumed"
 
-run() { "$mpiexec" -n "$np" "$train" "${common[@]}" "$@"; }
+run() { "$mpiexec" -n "$np" "${mpiexec_flags[@]}" "$train" "${common[@]}" "$@"; }
 
 echo "== A: $steps steps straight"
 run --steps "$steps" --out "$a"
