@@ -1,10 +1,11 @@
 // fsdp-bench train: one training step of the test plan's LLM decoder under
-// single-process, a plain DDP baseline, three FSDP configurations and FSDP
-// composed with tensor parallelism, in one run, on the same model, seed and
-// global batch.
+// single-process, a plain DDP baseline, three FSDP configurations, FSDP
+// composed with tensor parallelism and FSDP inside pipeline stages (fsdp::pp),
+// in one run, on the same model, seed and global batch.
 //
 // Every configuration builds a fresh models::Decoder from the same seed (the
-// TP configurations copy their slices of it into a models::TPDecoder) and
+// TP configurations copy their slices of it into a models::TPDecoder, the
+// pipeline configurations keep their stages of it, models::DecoderStage) and
 // trains it with AdamW (zero_grad, forward, backward, step per iteration).
 // The configurations run interleaved step by step (the harness's
 // time_interleaved), so load drift hits them alike. Memory is measured by a
@@ -15,8 +16,10 @@
 #include "fsdp/comm.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
+#include "fsdp/pipeline.h"
 #include "fsdp/tensor_parallel.h"
 
+#include <models/decoder_stages.h>
 #include <models/init.h>
 #include <models/llm.h>
 #include <models/tp_llm.h>
@@ -162,11 +165,13 @@ struct Options {
   double lr = 1e-3;
   bool forward_prefetch = false;
   int tp = 0;  // 0: 2 when the world size is even, else the TP configs are skipped
+  int pp = 0;  // likewise for the pipeline configs
+  int microbatches = 0;  // 0: one per sequence of the per-pipeline batch
   std::vector<std::string> configs;
   std::string json_path;
 };
 
-enum class Kind { Single, Ddp, Fsdp, FsdpTp };
+enum class Kind { Single, Ddp, Fsdp, FsdpTp, FsdpPp };
 
 struct ConfigSpec {
   std::string key;
@@ -175,6 +180,9 @@ struct ConfigSpec {
   bool comm_fusion;
   std::string legend;
   models::TPOptions tp{};  // FsdpTp only
+  // FsdpPp only.
+  fsdp::pp::ScheduleKind schedule = fsdp::pp::ScheduleKind::OneFOneB;
+  int stages_per_rank = 1;
 };
 
 const std::vector<ConfigSpec>& all_configs() {
@@ -200,6 +208,19 @@ const std::vector<ConfigSpec>& all_configs() {
        "as fsdp-tp, sequence parallel (activations between blocks split over tp on seq) and "
        "loss parallel (cross-entropy on the vocab slices; the logits are never gathered)",
        {/*sequence_parallel=*/true, /*loss_parallel=*/true}},
+      {"fsdp-pp-gpipe", Kind::FsdpPp, true, false,
+       "models::DecoderStage: the decoder cut by layers into pp stages on a (pp, dp) mesh "
+       "(embedding on the first, final norm + a copy of the tied output on the last, the tied "
+       "pair's gradients exchanged after backward), each stage's layers then the stage "
+       "fully_shard over dp (gathered across microbatches); fsdp::pp GPipe over the "
+       "microbatches; the pp ranks of one dp coordinate take the same batch slice",
+       {}, fsdp::pp::ScheduleKind::GPipe, 1},
+      {"fsdp-pp-1f1b", Kind::FsdpPp, true, false, "as fsdp-pp-gpipe, schedule 1F1B", {},
+       fsdp::pp::ScheduleKind::OneFOneB, 1},
+      {"fsdp-pp-interleaved", Kind::FsdpPp, true, false,
+       "as fsdp-pp-gpipe, interleaved 1F1B with 2 stages per rank (looped: rank r holds stages "
+       "r and r + pp)",
+       {}, fsdp::pp::ScheduleKind::Interleaved1F1B, 2},
   };
   return table;
 }
@@ -235,7 +256,7 @@ fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
 }
 
 // One configuration's model, optimizer and step. `mesh`: (shard) for Fsdp,
-// (shard, tp) for FsdpTp, unused otherwise.
+// (shard, tp) for FsdpTp, (pp, dp) for FsdpPp, unused otherwise.
 class Trainer {
  public:
   Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
@@ -254,7 +275,9 @@ class Trainer {
     fo.shard_dim = "shard";
     fo.reshard_after_forward = spec.reshard_after_forward;
     fo.comm_fusion = spec.comm_fusion;
-    if (spec.kind == Kind::FsdpTp) {
+    if (spec.kind == Kind::FsdpPp) {
+      build_pipeline(decoder, fo, o, *mesh);
+    } else if (spec.kind == Kind::FsdpTp) {
       tp_group_ = mesh->get_group("tp")->name();
       data_rank_ = mesh->get_local_rank("shard");
       data_size_ = static_cast<int>(mesh->size("shard"));
@@ -296,34 +319,63 @@ class Trainer {
   }
 
   // One training step on `inputs` -> `targets` (this rank's share). With
-  // `record`, appends its phase times to phase_us().
+  // `record`, appends its phase times to phase_us() (and, pipelined, the
+  // schedule's step and busy times to pipeline_steps()).
   void step(const at::Tensor& inputs, const at::Tensor& targets, bool record = false) {
     using Clock = std::chrono::steady_clock;
     const CountingAllocator::Scope scope(account_);
     const auto t0 = Clock::now();
     optimizer_->zero_grad();
-    at::Tensor loss = loss_(inputs, targets);
+    at::Tensor loss;
+    std::optional<fsdp::pp::StepResult> pipelined;
+    if (spec_.kind == Kind::FsdpPp) {
+      // Forward and backward of every microbatch; the first stage's ranks
+      // take the inputs, the last stage's the targets.
+      pipelined = schedule_->step(has_first_ ? inputs : at::Tensor(),
+                                  has_last_ ? targets : at::Tensor());
+    } else {
+      loss = loss_(inputs, targets);
+    }
     const auto t1 = Clock::now();
-    loss.backward();
+    if (!pipelined) loss.backward();
     const auto t2 = Clock::now();
     if (spec_.kind == Kind::Ddp) all_reduce_gradients();
+    if (tied_.defined()) models::sum_tied_gradients(tied_, pp_group_, tied_peer_);
     const auto t3 = Clock::now();
     optimizer_->step();
     const auto t4 = Clock::now();
-    last_loss_ = loss.detach();
+    if (pipelined) {
+      last_step_ = *pipelined;
+      if (record) pipeline_steps_.push_back(*pipelined);
+    } else {
+      last_loss_ = loss.detach();
+    }
     if (record) {
       for (const auto& [a, b] : {std::pair{t0, t1}, {t1, t2}, {t2, t3}, {t3, t4}}) {
         phase_us_.push_back(std::chrono::duration<double, std::micro>(b - a).count());
       }
     }
   }
-  // Phases: zero_grad + forward + loss (FSDP: with its all-gather waits),
-  // backward (FSDP: with its reduce-scatters), DDP's all-reduce, AdamW step.
+  // Phases: zero_grad + forward + loss (FSDP: with its all-gather waits;
+  // pipelined: the whole schedule step, backward included), backward (FSDP:
+  // with its reduce-scatters), DDP's all-reduce or the pipeline's tied
+  // gradient exchange, AdamW step.
   static constexpr size_t kPhases = 4;
   // [recorded step][phase], microseconds on this rank.
   const std::vector<double>& phase_us() const { return phase_us_; }
+  // Pipelined: the schedule's results of the recorded steps.
+  const std::vector<fsdp::pp::StepResult>& pipeline_steps() const { return pipeline_steps_; }
 
-  double last_loss() const { return last_loss_.defined() ? last_loss_.item<double>() : 0.0; }
+  // This rank's loss of the last step, such that the mean over the world's
+  // ranks is the global batch's loss. Pipelined: collective over the world
+  // (broadcast_loss over pp: the replica's share of the global mean, times
+  // the replica count).
+  double last_loss() const {
+    if (spec_.kind == Kind::FsdpPp) {
+      return fsdp::pp::broadcast_loss(last_step_, *pp_mesh_, num_stages_) * data_size_;
+    }
+    return last_loss_.defined() ? last_loss_.item<double>() : 0.0;
+  }
 
   // Bytes held between steps: parameters (local shards under FSDP),
   // gradients and AdamW state, as sums of tensor sizes.
@@ -371,12 +423,71 @@ class Trainer {
     }
   }
 
+  // This rank's stages of `decoder` (rank r: stages r, r + pp, ...), each
+  // sharded layer by layer then as a whole over dp, and their schedule.
+  void build_pipeline(const models::Decoder& decoder, fsdp::FullyShardOptions fo,
+                      const Options& o, const fsdp::DeviceMesh& mesh) {
+    pp_mesh_ = mesh["pp"];
+    pp_group_ = mesh.get_group("pp");
+    data_rank_ = mesh.get_local_rank("dp");
+    data_size_ = static_cast<int>(mesh.size("dp"));
+    const int pp = static_cast<int>(mesh.size("pp"));
+    const int pp_rank = mesh.get_local_rank("pp");
+    num_stages_ = pp * spec_.stages_per_rank;
+    fo.mesh = mesh["dp"];
+    fo.shard_dim = "dp";
+    auto local = std::make_shared<torch::nn::Module>("PipelineRank");
+    std::vector<fsdp::pp::PipelineStage> stages;
+    bool tied_copy = false;
+    for (int v = 0; v < spec_.stages_per_rank; ++v) {
+      const int stage = pp_rank + v * pp;
+      models::DecoderStage s(*decoder, stage, num_stages_);
+      for (const auto& child : s->named_children()) {
+        local->register_module(child.key(), child.value());
+      }
+      for (auto& layer : s->layers) fsdp::fully_shard(layer.holder(), fo);
+      fsdp::fully_shard(s, fo);
+      has_first_ = has_first_ || s->is_first;
+      has_last_ = has_last_ || s->is_last;
+      tied_copy = tied_copy || s->tied_copy;
+      stages.emplace_back(s, stage, num_stages_, *pp_mesh_);
+    }
+    const auto named = local->named_parameters();
+    if (has_first_ && !has_last_ && decoder->config.tie_output) {
+      tied_ = named["embed.weight"];
+      tied_peer_ = pp - 1;
+    } else if (tied_copy) {
+      tied_ = named["output.weight"];
+      tied_peer_ = 0;
+    }
+    fsdp::pp::LossSpec loss;
+    loss.sum = models::lm_loss_sum;
+    loss.count = models::lm_loss_count;
+    fsdp::pp::ScheduleOptions options;
+    options.dp_mesh = mesh["dp"];
+    const int local_batch = o.batch / data_size_;
+    schedule_ = std::make_unique<fsdp::pp::Schedule>(
+        std::move(stages), spec_.schedule, o.microbatches > 0 ? o.microbatches : local_batch,
+        loss, options);
+    model_ = local;
+  }
+
   ConfigSpec spec_;
   int account_;
   MPI_Comm comm_;
   int world_ = 1;
   int data_rank_ = 0, data_size_ = 1;
   std::string tp_group_;
+  // FsdpPp only.
+  std::optional<fsdp::DeviceMesh> pp_mesh_;
+  fsdp::ProcessGroupPtr pp_group_;
+  int num_stages_ = 1;
+  bool has_first_ = false, has_last_ = false;
+  at::Tensor tied_;  // this rank's member of the tied pair, if any
+  int tied_peer_ = -1;
+  std::unique_ptr<fsdp::pp::Schedule> schedule_;
+  fsdp::pp::StepResult last_step_;
+  std::vector<fsdp::pp::StepResult> pipeline_steps_;
   std::shared_ptr<torch::nn::Module> model_;
   // Forward and mean cross-entropy of this rank's share.
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss_;
@@ -390,7 +501,7 @@ std::vector<Column> columns() {
   const std::string step = "step time";
   const std::string mem = "memory per rank";
   return {
-      {"config", "config", "", 16, -1, ""},
+      {"config", "config", "", 19, -1, ""},
       {"step_ms", "median", "(ms)", 9, 1, step},
       {"step_min_ms", "min", "(ms)", 9, 1, step},
       {"step_max_ms", "max", "(ms)", 0, 1, step},
@@ -406,6 +517,7 @@ std::vector<Column> columns() {
       {"optimizer_ms", "optim", "(ms)", 7, 1, "phases (median)"},
       {"collectives_per_step", "AG/RS/AR", "per step", 9, -1, ""},
       {"tp_collectives_per_step", "tp AG/RS/AR", "per step", 11, -1, ""},
+      {"bubble", "bubble", "(frac)", 7, 3, ""},
       {"persistent_bytes", "", "", 0, -1, mem},
       {"params_bytes", "", "", 0, -1, mem},
       {"grads_bytes", "", "", 0, -1, mem},
@@ -456,6 +568,24 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     specs.erase(std::remove_if(specs.begin(), specs.end(), is_tp), specs.end());
   }
   const bool any_tp = std::any_of(specs.begin(), specs.end(), is_tp);
+  const int pp = o.pp > 0 ? o.pp : 2;
+  auto is_pp = [](const ConfigSpec& s) { return s.kind == Kind::FsdpPp; };
+  std::string pp_skipped;
+  if (o.pp == 0 && world % pp != 0) {
+    for (const ConfigSpec& s : specs) {
+      if (is_pp(s)) pp_skipped += (pp_skipped.empty() ? "" : ", ") + s.key;
+    }
+    if (!pp_skipped.empty()) {
+      pp_skipped += fmt::format(" skipped: the default --pp 2 needs an even world size, not {}",
+                                world);
+    }
+    specs.erase(std::remove_if(specs.begin(), specs.end(), is_pp), specs.end());
+  }
+  const bool any_pp = std::any_of(specs.begin(), specs.end(), is_pp);
+  // The pipelines' data-parallel size, batch and microbatches.
+  const int pp_dp = world % pp == 0 ? world / pp : 1;
+  const int pp_local_batch = o.batch / pp_dp;
+  const int microbatches = o.microbatches > 0 ? o.microbatches : pp_local_batch;
   const bool any_parallel = std::any_of(specs.begin(), specs.end(),
                                         [](const ConfigSpec& s) { return s.kind != Kind::Single; });
   std::string bad;
@@ -465,6 +595,25 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     bad = fmt::format("--tp {} does not divide the world size {}", tp, world);
   } else if (cfg.hidden % cfg.heads != 0) {
     bad = fmt::format("--hidden {} is not a multiple of --heads {}", cfg.hidden, cfg.heads);
+  } else if (any_pp && world % pp != 0) {
+    bad = fmt::format("--pp {} does not divide the world size {}", pp, world);
+  } else if (any_pp && pp_local_batch % microbatches != 0) {
+    bad = fmt::format("--microbatches {} does not divide the per-pipeline batch {} (--batch {} / "
+                      "{} data-parallel ranks)",
+                      microbatches, pp_local_batch, o.batch, pp_dp);
+  }
+  for (const ConfigSpec& s : specs) {
+    if (!bad.empty() || !is_pp(s)) continue;
+    const int stages = pp * s.stages_per_rank;
+    if (cfg.layers % stages != 0) {
+      bad = fmt::format("{}: --layers {} do not split into {} pipeline stages ({} per rank)",
+                        s.key, cfg.layers, stages, s.stages_per_rank);
+    } else if (s.schedule != fsdp::pp::ScheduleKind::GPipe && microbatches < pp) {
+      bad = fmt::format("{}: --microbatches {} is below --pp {}", s.key, microbatches, pp);
+    } else if (s.schedule == fsdp::pp::ScheduleKind::Interleaved1F1B && microbatches % pp != 0) {
+      bad = fmt::format("{}: --microbatches {} is not a multiple of --pp {}", s.key, microbatches,
+                        pp);
+    }
   }
   if (!bad.empty()) {
     // Every rank sees the same numbers and returns alike.
@@ -497,7 +646,14 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   report.meta("tp", any_tp ? nlohmann::json(tp) : nlohmann::json(nullptr),
               any_tp ? fmt::format("fsdp-tp*: mesh (shard={}, tp={})", world / tp, tp)
                      : tp_skipped);
-  for (const ConfigSpec& s : specs) report.note(fmt::format("{:>16}: {}", s.key, s.legend));
+  report.meta("pp",
+              any_pp ? nlohmann::json({{"size", pp}, {"dp", pp_dp}, {"microbatches", microbatches}})
+                     : nlohmann::json(nullptr),
+              any_pp ? fmt::format("fsdp-pp*: mesh (pp={}, dp={}), {} microbatches of {} "
+                                   "sequence(s) per pipeline",
+                                   pp, pp_dp, microbatches, pp_local_batch / microbatches)
+                     : pp_skipped);
+  for (const ConfigSpec& s : specs) report.note(fmt::format("{:>19}: {}", s.key, s.legend));
   report.note("step: zero_grad + forward + loss + backward (+ DDP all-reduce) + AdamW step; "
               "each step after a barrier; time = slowest rank; configs interleaved step by "
               "step");
@@ -517,6 +673,12 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     report.note("tp AG/RS/AR = the same on the tp group: TP's activation collectives and "
                 "FSDP's all-reduce of gradients partial over tp (the SP norm weights)");
   }
+  if (any_pp) {
+    report.note("fsdp-pp*: fwd = the whole schedule step (every microbatch's forward and "
+                "backward, the p2p transfers, FSDP's collectives), bwd = 0, sync = the tied "
+                "embedding/output gradient exchange; bubble = fsdp::pp::bubble_fraction (idle "
+                "share of the slowest rank's schedule step), median over the timed steps");
+  }
 
   std::optional<fsdp::DeviceMesh> mesh, tp_mesh;
   if (std::any_of(specs.begin(), specs.end(),
@@ -524,10 +686,16 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     mesh = fsdp::init_device_mesh("cpu", {world}, {"shard"});
   }
   if (any_tp) tp_mesh = fsdp::init_device_mesh("cpu", {world / tp, tp}, {"shard", "tp"});
+  std::optional<fsdp::DeviceMesh> pp_mesh, pp_world;
+  if (any_pp) {
+    pp_mesh = fsdp::init_device_mesh("cpu", {pp, pp_dp}, {"pp", "dp"});
+    pp_world = pp_mesh->flatten("world");  // bubble_fraction's group
+  }
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (size_t i = 0; i < specs.size(); ++i) {
-    trainers.push_back(std::make_unique<Trainer>(specs[i], static_cast<int>(i) + 1, cfg, o,
-                                                 is_tp(specs[i]) ? tp_mesh : mesh, comm));
+    trainers.push_back(std::make_unique<Trainer>(
+        specs[i], static_cast<int>(i) + 1, cfg, o,
+        is_tp(specs[i]) ? tp_mesh : is_pp(specs[i]) ? pp_mesh : mesh, comm));
   }
   const size_t n = trainers.size();
 
@@ -585,6 +753,15 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   }
   losses = sum_over_ranks(comm, losses);
   mem = max_over_ranks(comm, mem);
+  // Pipelined: the median bubble over the timed steps (collective, -1 elsewhere).
+  std::vector<double> bubble(n, -1.0);
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<double> fractions;
+    for (const auto& r : trainers[i]->pipeline_steps()) {
+      fractions.push_back(fsdp::pp::bubble_fraction(r, *pp_world));
+    }
+    if (!fractions.empty()) bubble[i] = summarize(fractions).median_us;
+  }
   // Per config and phase: median over timed steps of the slowest rank's time.
   std::vector<std::array<double, Trainer::kPhases>> phase_ms(n);
   for (size_t i = 0; i < n; ++i) {
@@ -647,10 +824,11 @@ int run(const Options& o, const fsdp::Runtime& rt) {
                 ratio_or_dash(static_cast<double>(m[0]), ideal_share),
                 static_cast<double>(m[4]) / kMiB, static_cast<double>(m[5]) / kMiB,
                 phase_ms[i][0], phase_ms[i][1], phase_ms[i][2], phase_ms[i][3], colls, tp_colls,
-                m[0], m[1], m[2], m[3], m[4], m[5], cc[6], losses[i]});
+                bubble[i] >= 0 ? Cell(bubble[i]) : Cell(std::string("-")), m[0], m[1], m[2],
+                m[3], m[4], m[5], cc[6], losses[i]});
   }
   if (ddp) {
-    report.note(fmt::format("{:>16}: '+1' = its one raw MPI_Allreduce of {:.2f} MiB per step",
+    report.note(fmt::format("{:>19}: '+1' = its one raw MPI_Allreduce of {:.2f} MiB per step",
                             "ddp", static_cast<double>(mem[*ddp * 6 + 2]) / kMiB));
   }
 
@@ -679,6 +857,24 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   } else {
     report.summary("step_target_met", nullptr,
                    "target FSDP step <= 1.05x DDP: not evaluated (needs configs fsdp and ddp)");
+  }
+  if (any_pp) {
+    nlohmann::json ratio = nlohmann::json::object(), bubbles = nlohmann::json::object();
+    std::string text;
+    for (size_t i = 0; i < n; ++i) {
+      if (!is_pp(specs[i])) continue;
+      const double ms = stats[i].median_us / 1e3;
+      ratio[specs[i].key] = ddp ? nlohmann::json(ms / ddp_ms) : nlohmann::json(nullptr);
+      bubbles[specs[i].key] = bubble[i];
+      text += fmt::format("{}{} {:.1f} ms{}, bubble {:.3f}", text.empty() ? "" : "; ",
+                          specs[i].key, ms,
+                          ddp ? fmt::format(" ({:.3f}x DDP)", ms / ddp_ms) : std::string(),
+                          bubble[i]);
+    }
+    report.summary("step_ratio_pp_vs_ddp", ratio);
+    report.summary("pipeline_bubble", bubbles,
+                   fmt::format("pipelines (pp={}, dp={}, {} microbatches): {}", pp, pp_dp,
+                               microbatches, text));
   }
   if (full) {
     nlohmann::json per = nlohmann::json::object();
@@ -759,6 +955,16 @@ void add_train_command(CLI::App& app, Command& chosen) {
                   "(shard = ranks / tp, tp)")
       ->check(CLI::Range(1, 4096))
       ->default_str("2 if the world size is even, else those configs are skipped");
+  sub->add_option("--pp", o->pp,
+                  "Pipeline stages of the fsdp-pp configs (a divisor of the ranks; the "
+                  "interleaved one runs 2 per rank); mesh (pp, dp = ranks / pp)")
+      ->check(CLI::Range(1, 4096))
+      ->default_str("2 if the world size is even, else those configs are skipped");
+  sub->add_option("--microbatches", o->microbatches,
+                  "Microbatches per step of the fsdp-pp configs (dividing the per-pipeline "
+                  "batch, --batch / dp)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->default_str("one per sequence of the per-pipeline batch");
   sub->add_option("--json", o->json_path,
                   "Write JSON: '--json' alone prints it to stdout instead of the table; "
                   "'--json FILE' keeps the table and writes FILE")
