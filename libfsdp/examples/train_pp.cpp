@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
   const auto mesh = fsdp::init_device_mesh("cpu", {pp_size, dp_size}, {"pp", "dp"});
   const int stage_index = mesh.get_local_rank("pp");
   torch::manual_seed(stage_index);  // a stage's replicas start equal
-  Stage stage(stage_index == 0, stage_index == pp_size - 1);
+  Stage stage(stage_index == 0, stage_index == pp_size - 1);  // embed + blocks | blocks + head
 
   fsdp::FullyShardOptions options;
   options.mesh = mesh["dp"];

@@ -344,7 +344,8 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
         std::cout << "verify: note: the pipeline sums each microbatch's cross-entropy divided by "
                      "the global token count, the reference takes each rank's mean: the same "
                      "step, rounded differently, which the default lr's loss spikes amplify on "
-                     "longer runs: --verify with --pp checks short fp32 runs"
+                     "longer runs, and bf16 compute moves the parameters by ~1e-2 within a few "
+                     "steps (verify.h): --verify with --pp checks short fp32 runs"
                   << std::endl;
       }
       if ((!ok || !params_ok) && cfg.tp > 1) {
