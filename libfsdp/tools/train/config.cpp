@@ -54,12 +54,12 @@ void resolve_pipeline(TrainConfig& cfg) {
   }
   const int64_t local = cfg.local_batch();
   if (cfg.microbatches == 0) cfg.microbatches = local;
-  const std::string per_pipeline = fmt::format(
-      "the per-pipeline batch is {} sequences (--batch {} / {} data-parallel ranks)", local,
-      cfg.batch, cfg.dp_size);
+  const std::string per_pipeline =
+      fmt::format("per-pipeline batch {} = --batch {} / {} data-parallel rank{}", local,
+                  cfg.batch, cfg.dp_size, cfg.dp_size == 1 ? "" : "s");
   if (cfg.microbatches < 1 || local % cfg.microbatches != 0) {
-    throw ConfigError(fmt::format("--microbatches {}: must divide the per-pipeline batch; {}",
-                                  cfg.microbatches, per_pipeline));
+    throw ConfigError(fmt::format("--microbatches {}: must divide the {}", cfg.microbatches,
+                                  per_pipeline));
   }
   if (cfg.schedule != "gpipe" && cfg.microbatches < cfg.pp) {
     throw ConfigError(fmt::format(
