@@ -84,14 +84,12 @@ int main(int argc, char** argv) {
     opt.zero_grad();
     const fsdp::pp::StepResult result = schedule.step(inputs, targets);  // forward + backward
     opt.step();
-    // This replica's share of the global mean loss, summed over the replicas.
-    auto mean = torch::full({1}, fsdp::pp::broadcast_loss(result, mesh["pp"], pp_size),
-                            torch::kDouble);
-    mesh.get_group("dp")->all_reduce(mean);
+    // The step's mean loss (summed over the microbatches and the replicas)
+    // on every rank, and the idle share of the slowest rank's step.
+    const double mean = fsdp::pp::broadcast_loss(result, mesh["pp"], pp_size, mesh["dp"]);
     const double bubble = fsdp::pp::bubble_fraction(result, mesh);
     if (rt.world_rank() == 0) {
-      std::cout << "step " << step << " loss " << mean.item<double>() << " bubble " << bubble
-                << "\n";
+      std::cout << "step " << step << " loss " << mean << " bubble " << bubble << "\n";
     }
   }
   return 0;

@@ -72,9 +72,9 @@ int64_t lm_loss_count(const at::Tensor& targets) {
 }
 
 void sum_tied_gradients(const at::Tensor& param, const fsdp::ProcessGroupPtr& group, int peer) {
-  // A tag the pipeline's own transfers (which all finish inside a step) do
-  // not need to share.
-  constexpr int kTag = 32000;
+  // A tag fsdp::pp's executor never uses (its transfers all finish inside
+  // Schedule::step anyway).
+  constexpr int kTag = 32767;
   at::Tensor grad = param.grad();
   const at::Tensor mine = grad.defined() ? grad.detach().contiguous() : at::zeros_like(param);
   at::Tensor theirs = at::empty_like(mine);

@@ -367,12 +367,11 @@ class Trainer {
   const std::vector<fsdp::pp::StepResult>& pipeline_steps() const { return pipeline_steps_; }
 
   // This rank's loss of the last step, such that the mean over the world's
-  // ranks is the global batch's loss. Pipelined: collective over the world
-  // (broadcast_loss over pp: the replica's share of the global mean, times
-  // the replica count).
+  // ranks is the global batch's loss. Pipelined: the global mean itself
+  // (broadcast_loss over pp and dp: collective over the world).
   double last_loss() const {
     if (spec_.kind == Kind::FsdpPp) {
-      return fsdp::pp::broadcast_loss(last_step_, *pp_mesh_, num_stages_) * data_size_;
+      return fsdp::pp::broadcast_loss(last_step_, *pp_mesh_, num_stages_, dp_mesh_);
     }
     return last_loss_.defined() ? last_loss_.item<double>() : 0.0;
   }
@@ -428,6 +427,7 @@ class Trainer {
   void build_pipeline(const models::Decoder& decoder, fsdp::FullyShardOptions fo,
                       const Options& o, const fsdp::DeviceMesh& mesh) {
     pp_mesh_ = mesh["pp"];
+    dp_mesh_ = mesh["dp"];
     pp_group_ = mesh.get_group("pp");
     data_rank_ = mesh.get_local_rank("dp");
     data_size_ = static_cast<int>(mesh.size("dp"));
@@ -479,7 +479,7 @@ class Trainer {
   int data_rank_ = 0, data_size_ = 1;
   std::string tp_group_;
   // FsdpPp only.
-  std::optional<fsdp::DeviceMesh> pp_mesh_;
+  std::optional<fsdp::DeviceMesh> pp_mesh_, dp_mesh_;
   fsdp::ProcessGroupPtr pp_group_;
   int num_stages_ = 1;
   bool has_first_ = false, has_last_ = false;

@@ -125,14 +125,11 @@ PipelineStepResult pipeline_step(ShardedDecoder& d, const at::Tensor& tokens,
     }
   }
 
-  // broadcast_loss: this replica's microbatch losses, each already divided
-  // by the global count; summed over the replicas (every pp rank of a
-  // replica holds the same value, hence / pp) it is the global mean.
-  const double replica =
-      fsdp::pp::broadcast_loss(step, p.pp_mesh, static_cast<int>(cfg.num_stages()));
-  double sum = 0;
-  MPI_Allreduce(&replica, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  r.loss = sum / static_cast<double>(cfg.pp);
+  // The microbatch losses, each already divided by the global count, summed
+  // over the replica's microbatches and then over the replicas: the global
+  // mean, on every rank.
+  r.loss = fsdp::pp::broadcast_loss(step, p.pp_mesh, static_cast<int>(cfg.num_stages()),
+                                    p.dp_mesh);
   r.bubble = fsdp::pp::bubble_fraction(step, p.mesh);
   return r;
 }

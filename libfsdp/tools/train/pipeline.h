@@ -11,9 +11,9 @@
 // Loss: fsdp::pp's convention, LossSpec::sum = the sum of the microbatch's
 // next-byte cross-entropies, LossSpec::count = its targets (every byte
 // counts; -100 would be ignored), divided once by the step's global count:
-// the gradients are the global mean's, and the step's loss the sum over the
-// data-parallel replicas of broadcast_loss, the same number fsdp-train
-// reports without --pp.
+// the gradients are the global mean's, and the step's loss broadcast_loss
+// with the data-parallel mesh (summed over the replicas), the same number
+// fsdp-train reports without --pp.
 //
 // Tied output: the decoder keeps its tied embedding/output weight. The last
 // stage holds a copy of the embedding as "output.weight" (initialised equal);
