@@ -253,7 +253,9 @@ double broadcast_loss(const StepResult& result, const DeviceMesh& pp_mesh, int n
                       const std::optional<DeviceMesh>& dp_mesh = std::nullopt);
 
 // Bubble fraction of a step: (step time - busy time) / step time on the
-// slowest rank of `mesh` (the rank with the longest step). Collective over
+// slowest rank of `mesh` (the rank with the longest step). Busy is the time
+// in forward and backward actions only: waits for transfers, UNSHARD and
+// REDUCE_GRAD (the gradient reduction) count as bubble. Collective over
 // mesh's ranks.
 double bubble_fraction(const StepResult& result, const DeviceMesh& mesh);
 
