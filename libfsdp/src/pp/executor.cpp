@@ -181,18 +181,19 @@ struct Schedule::Impl {
     // "cuda" without an index: the current device, as for the stage's compute.
     const c10::Device device(device_type());
     for (const Action& a : slot.comm) {
-      P2POp op;
-      op.label = label(a, false);
       Local& l = local(a.stage);
       Microbatch& mb = l.mbs[a.microbatch];
+      auto add = [&](P2POp::Kind kind, at::Tensor t, int peer_stage, int tag_stage, Direction d) {
+        ops.push_back({kind, std::move(t), stage_rank(peer_stage, pp), tag(tag_stage, d, a.microbatch),
+                       label(a, false)});
+        labels.push_back(ops.back().label);
+      };
       switch (a.type) {
         case ActionType::SendForward:
-          op = {P2POp::Kind::Send, outgoing(a), stage_rank(a.stage + 1, pp),
-                tag(a.stage, kActivation, a.microbatch), op.label};
+          add(P2POp::Kind::Send, outgoing(a), a.stage + 1, a.stage, kActivation);
           break;
         case ActionType::SendBackward:
-          op = {P2POp::Kind::Send, outgoing(a), stage_rank(a.stage - 1, pp),
-                tag(a.stage, kGradient, a.microbatch), op.label};
+          add(P2POp::Kind::Send, outgoing(a), a.stage - 1, a.stage, kGradient);
           break;
         case ActionType::RecvForward: {
           std::vector<int64_t> shape;
@@ -209,20 +210,16 @@ struct Schedule::Impl {
             std::tie(shape, dtype) = l.received_shapes.at(a.microbatch);
           }
           mb.input = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
-          op = {P2POp::Kind::Recv, mb.input, stage_rank(a.stage - 1, pp),
-                tag(a.stage - 1, kActivation, a.microbatch), op.label};
+          add(P2POp::Kind::Recv, mb.input, a.stage - 1, a.stage - 1, kActivation);
           break;
         }
         case ActionType::RecvBackward:
           mb.output_grad = at::empty_like(mb.output, at::MemoryFormat::Contiguous);
-          op = {P2POp::Kind::Recv, mb.output_grad, stage_rank(a.stage + 1, pp),
-                tag(a.stage + 1, kGradient, a.microbatch), op.label};
+          add(P2POp::Kind::Recv, mb.output_grad, a.stage + 1, a.stage + 1, kGradient);
           break;
         default:
           throw StateError("pp: " + to_string(a) + " in a slot's transfers (internal error)");
       }
-      ops.push_back(op);
-      labels.push_back(op.label);
     }
     wait_all(pp_group->batch_isend_irecv(ops), labels, index);
     // The output stays for its backward; a sent input gradient is done with.
@@ -464,17 +461,23 @@ double broadcast_loss(const StepResult& result, const DeviceMesh& pp_mesh, int n
 }
 
 double bubble_fraction(const StepResult& result, const DeviceMesh& mesh) {
-  ProcessGroupPtr group = mesh.ndim() == 1 ? mesh.get_group(0) : mesh.flatten().get_group(0);
-  at::Tensor mine = at::tensor({result.step_seconds, result.busy_seconds}, at::kDouble);
-  at::Tensor all = at::empty({group->size() * 2}, at::kDouble);
-  group->all_gather_into_tensor(all, mine);
-  auto acc = all.accessor<double, 1>();
-  int slowest = 0;
-  for (int r = 1; r < group->size(); ++r) {
-    if (acc[2 * r] > acc[2 * slowest]) slowest = r;
+  // The slowest rank's (step, busy), reduced dim by dim over the mesh's own
+  // groups: flatten() would split a communicator on every call. The
+  // lexicographic max is the same on every rank whatever the order.
+  std::pair<double, double> slowest{result.step_seconds, result.busy_seconds};
+  for (int d = 0; d < mesh.ndim(); ++d) {
+    const ProcessGroupPtr group = mesh.get_group(d);
+    if (group->size() == 1) continue;
+    at::Tensor mine = at::tensor({slowest.first, slowest.second}, at::kDouble);
+    at::Tensor all = at::empty({group->size() * 2}, at::kDouble);
+    group->all_gather_into_tensor(all, mine);
+    auto acc = all.accessor<double, 1>();
+    for (int r = 0; r < group->size(); ++r) {
+      slowest = std::max(slowest, std::make_pair(acc[2 * r], acc[2 * r + 1]));
+    }
   }
-  const double step = acc[2 * slowest];
-  return step > 0 ? std::max(0.0, step - acc[2 * slowest + 1]) / step : 0.0;
+  const auto [step, busy] = slowest;
+  return step > 0 ? std::max(0.0, step - busy) / step : 0.0;
 }
 
 }  // namespace fsdp::pp

@@ -226,15 +226,16 @@ std::string check_schedule(const std::vector<std::vector<Slot>>& schedule, int p
   std::set<Key> forwards, backwards;
   std::set<Key> have_input, have_grad;  // arrived at the consumer's rank
   std::set<int> reduced;
+  auto not_its_stage = [&err](size_t t, int r, const Action& a) {
+    err << "slot " << t << ": rank " << r << " runs " << to_string(a)
+        << ", which is not one of its stages (or out of range)";
+    return err.str();
+  };
   for (size_t t = 0; t < length; ++t) {
     std::map<Transfer, int> sends, recvs;
     for (int r = 0; r < pp; ++r) {
       for (const Action& a : schedule[r][t].comm) {
-        if (!in_range(a) || stage_rank(a.stage, pp) != r) {
-          err << "slot " << t << ": rank " << r << " runs " << to_string(a)
-              << ", which is not one of its stages (or out of range)";
-          return err.str();
-        }
+        if (!in_range(a) || stage_rank(a.stage, pp) != r) return not_its_stage(t, r, a);
         switch (a.type) {
           case ActionType::SendForward:
             if (a.stage + 1 >= stages) break;
@@ -289,11 +290,7 @@ std::string check_schedule(const std::vector<std::vector<Slot>>& schedule, int p
     }
     for (int r = 0; r < pp; ++r) {
       for (const Action& a : schedule[r][t].compute) {
-        if (!in_range(a) || stage_rank(a.stage, pp) != r) {
-          err << "slot " << t << ": rank " << r << " runs " << to_string(a)
-              << ", which is not one of its stages (or out of range)";
-          return err.str();
-        }
+        if (!in_range(a) || stage_rank(a.stage, pp) != r) return not_its_stage(t, r, a);
         const Key k{a.stage, a.microbatch};
         switch (a.type) {
           case ActionType::Forward:
