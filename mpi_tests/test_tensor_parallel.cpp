@@ -772,7 +772,7 @@ BOOST_AUTO_TEST_CASE(distributed_params_of_the_layers) {
       block->row->load_full(W2, b2);
       block->to(dev());
 
-      const std::vector<fsdp::DistributedParam> got = tp::dtensor_params(*block);
+      const std::vector<fsdp::DistributedParam> got = fsdp::dtensor_params(*block);
       struct Want {
         at::Tensor param, full;
         Placement placement;
@@ -816,7 +816,7 @@ BOOST_AUTO_TEST_CASE(distributed_params_of_a_fused_layer) {
     tp::ColumnParallelLinear qkv(4, 6 * k, m.mesh, o);
     qkv->load_full(W, b);
     qkv->to(dev());
-    const std::vector<fsdp::DistributedParam> got = tp::dtensor_params(*qkv);
+    const std::vector<fsdp::DistributedParam> got = fsdp::dtensor_params(*qkv);
     BOOST_TEST_REQUIRE(got.size() == 2u);
     const at::Tensor full[] = {W, b};
     const at::Tensor params[] = {qkv->weight, qkv->bias};
@@ -842,9 +842,9 @@ BOOST_AUTO_TEST_CASE(dtensor_params_skip_managed_layers) {
   block->to(dev());
   fsdp::FullyShardOptions opts;
   opts.mesh = mesh["dp"];
-  opts.dtensor_params = tp::dtensor_params(*block->col);
+  opts.dtensor_params = fsdp::dtensor_params(*block->col);
   fsdp::fully_shard(block->col, opts);
-  const std::vector<fsdp::DistributedParam> rest = tp::dtensor_params(*block);
+  const std::vector<fsdp::DistributedParam> rest = fsdp::dtensor_params(*block);
   BOOST_TEST_REQUIRE(rest.size() == 3u);
   BOOST_TEST(rest[0].param.to_local().is_same(block->emb->weight));
   BOOST_TEST(rest[1].param.to_local().is_same(block->row->weight));

@@ -59,8 +59,8 @@ int main(int argc, char** argv) {
   options.mesh = mesh;
   options.shard_dim = "dp";  // FSDP's dim; "tp" is carried through
   // Bottom-up, each with the TP layout of its parameters (dtensor_params).
-  fsdp::fully_shard(lm->mlp.holder(), fsdp::tp::options_for(*lm->mlp.ptr(), options));
-  fsdp::Sharded<Lm> model = fsdp::fully_shard(lm, fsdp::tp::options_for(*lm, options));
+  fsdp::fully_shard(lm->mlp.holder(), fsdp::options_for(*lm->mlp.ptr(), options));
+  fsdp::Sharded<Lm> model = fsdp::fully_shard(lm, fsdp::options_for(*lm, options));
 
   torch::optim::AdamW opt(lm->parameters(), torch::optim::AdamWOptions(1e-2));
   // Data differs across dp and is the same on the ranks of one tp group.

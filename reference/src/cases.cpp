@@ -61,7 +61,7 @@ void shard_decoder(Decoder& d, const std::string& prefix, const fsdp::FullyShard
   for (size_t i = 0; i < d.layers.size(); ++i) {
     auto& layer = d.layers[i].holder();
     units.push_back({prefix + "layer" + std::to_string(i) + ".",
-                     fsdp::fully_shard(layer, fsdp::tp::options_for(*layer.ptr(), o))});
+                     fsdp::fully_shard(layer, fsdp::options_for(*layer.ptr(), o))});
   }
 }
 
@@ -105,7 +105,7 @@ class LlmDecoderCase : public Case {
       shard_decoder(*as<models::DecoderImpl>(model), "", o, units);
     }
     // embedding + tied output + norm
-    units.push_back({"", fsdp::fully_shard(model, fsdp::tp::options_for(*model, o))});
+    units.push_back({"", fsdp::fully_shard(model, fsdp::options_for(*model, o))});
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,

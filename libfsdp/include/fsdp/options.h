@@ -103,7 +103,7 @@ struct FullyShardOptions {
   // Managed but not sharded: full on every rank, gradients all-reduced.
   std::vector<at::Tensor> replicate_params;
   // Parameters already distributed by tensor or expert parallelism (see
-  // DistributedParam; fsdp::tp::dtensor_params lists a TP model's). FSDP
+  // DistributedParam; fsdp::dtensor_params lists a TP model's). FSDP
   // shards the local tensor further and records the combined
   // placement on the mesh of FSDP's dims and the DTensor's dims, so
   // sharded_parameters(), state dicts, clip_grad_norm_ and checkpoints see

@@ -11,18 +11,20 @@
 // Layouts are even: a dim split over tp must divide by tp.size() (ShapeError
 // naming the argument and the size), as torchtitan's seq_len_divisor.
 //
-// Composition with fully_shard: every layer lists its parameters as
-// DistributedParams (the local tensor, its placement on `tp`, and where the
-// gradient is a partial sum over tp). fsdp::tp::dtensor_params(module)
-// collects them for a module about to be sharded; put them in
-// FullyShardOptions::dtensor_params. FSDP then shards the TP-local tensors,
-// all-reduces the partial gradients over tp before its own reduction, and
-// sharded_parameters(), state dicts and clip_grad see the global tensors.
+// Composition with fully_shard: every layer is an fsdp::ParallelModule that
+// lists its parameters as DistributedParams (the local tensor, its placement
+// on `tp`, and where the gradient is a partial sum over tp).
+// fsdp::dtensor_params(module) collects them for a module about to be
+// sharded (fsdp::options_for(module, options) appends them to the options).
+// FSDP then shards the TP-local tensors, all-reduces the partial gradients
+// over tp before its own reduction, and sharded_parameters(), state dicts
+// and clip_grad see the global tensors.
 #pragma once
 
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
 #include "fsdp/options.h"
+#include "fsdp/parallel_module.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/Reduction.h>
@@ -54,24 +56,6 @@ at::Tensor sp_reduce_scatter(const at::Tensor& x, int64_t dim, const DeviceMesh&
 // n / tp.size(); ShapeError naming `arg` (e.g. "heads", "num_embeddings")
 // when n does not divide.
 int64_t local_size(const char* arg, int64_t n, const DeviceMesh& tp);
-
-// ---- what fully_shard needs to know -------------------------------------
-// Implemented by every layer here (and by model blocks that own
-// tp-replicated parameters, such as sequence-parallel norms).
-class ParallelModule {
- public:
-  virtual ~ParallelModule() = default;
-  // This module's own parameters (not its children's) that live on a tp
-  // mesh, as DTensors whose local tensor is the parameter itself.
-  virtual std::vector<DistributedParam> distributed_params() const = 0;
-};
-
-// The DistributedParams of `module` and its descendants that no unit
-// manages yet (call it right before fully_shard(module, ...), bottom-up).
-std::vector<DistributedParam> dtensor_params(const torch::nn::Module& module);
-// `base` with dtensor_params(module) appended: the options to fully_shard
-// `module` with (the same as base for a module without TP parameters).
-FullyShardOptions options_for(const torch::nn::Module& module, FullyShardOptions base);
 
 // A parameter replicated over tp; with partial_grad its gradient is a
 // partial sum over tp (a norm weight in a sequence-parallel region, a bias

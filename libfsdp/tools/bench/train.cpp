@@ -240,10 +240,10 @@ fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
   std::vector<fsdp::FSDPModule> units;
   for (auto& layer : decoder->layers) {
     units.push_back(
-        fsdp::fully_shard(layer.holder(), fsdp::tp::options_for(*layer.holder().ptr(), fo)));
+        fsdp::fully_shard(layer.holder(), fsdp::options_for(*layer.holder().ptr(), fo)));
   }
   fsdp::Sharded<DecoderHolder> net =
-      fsdp::fully_shard(decoder, fsdp::tp::options_for(*decoder, fo));
+      fsdp::fully_shard(decoder, fsdp::options_for(*decoder, fo));
   if (forward_prefetch) {
     // Each unit's forward issues the next one's all-gather; the root's
     // issues the first layer's.

@@ -63,9 +63,9 @@ fsdp::Sharded<Decoder> shard_units(Decoder net, const fsdp::FullyShardOptions& o
   for (size_t i = 0; i < net->layers.size(); ++i) {
     const auto& layer = net->layers[i].holder();
     units.emplace_back(fmt::format("layer{}.", i),
-                       fsdp::fully_shard(layer, fsdp::tp::options_for(*layer.ptr(), options)));
+                       fsdp::fully_shard(layer, fsdp::options_for(*layer.ptr(), options)));
   }
-  fsdp::Sharded<Decoder> root = fsdp::fully_shard(net, fsdp::tp::options_for(*net, options));
+  fsdp::Sharded<Decoder> root = fsdp::fully_shard(net, fsdp::options_for(*net, options));
   units.emplace_back("", *fsdp::fsdp_module_of(*net));
   return root;
 }

@@ -32,7 +32,7 @@ struct TPOptions {
 
 // RMSNorm replicated over tp; under SP its input is split on the sequence
 // dim, so its weight's gradient is a partial sum over tp.
-struct TPRMSNormImpl : RMSNormImpl, fsdp::tp::ParallelModule {
+struct TPRMSNormImpl : RMSNormImpl, fsdp::ParallelModule {
   TPRMSNormImpl(int64_t dim, fsdp::DeviceMesh tp, bool sequence_parallel);
   std::vector<fsdp::DistributedParam> distributed_params() const override;
   fsdp::DeviceMesh tp;
