@@ -8,6 +8,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
+#include "fsdp/moe.h"
+#include "fsdp/parallel_module.h"
 #include "fsdp/runtime.h"
 #include "fsdp/pipeline.h"
 #include "fsdp/tensor_parallel.h"

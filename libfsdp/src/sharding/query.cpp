@@ -64,6 +64,8 @@ std::unordered_map<const c10::TensorImpl*, ManagedGrad> managed_grads() {
         m.requires_grad = p.requires_grad();
         m.unsharded = g.unsharded();
         m.split_groups = p.layout().split_groups;
+        m.mesh = p.layout().spmd_mesh;
+        m.placements = p.layout().spmd_placements;
         out[p.param().unsafeGetTensorImpl()] = std::move(m);
       }
     }

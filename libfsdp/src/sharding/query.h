@@ -4,6 +4,7 @@
 #pragma once
 
 #include "fsdp/comm.h"
+#include "fsdp/dtensor.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -62,6 +63,11 @@ struct ManagedGrad {
   // Groups over which the gradient's shards are split: a norm sums over them
   // (in this order); an empty list means every rank holds all of it.
   std::vector<ProcessGroupPtr> split_groups;
+  // Where the local shard sits in the global tensor: the mesh of FSDP's and
+  // the carried dims, and its placements there (per-expert norms map local
+  // rows to experts with them).
+  std::optional<DeviceMesh> mesh;
+  std::vector<Placement> placements;
 };
 // Finishes every reduction still in flight (set_is_last_backward(false)),
 // then describes every managed parameter, by TensorImpl.
