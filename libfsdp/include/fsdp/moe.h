@@ -188,9 +188,10 @@ struct MoEImpl : torch::nn::Module {
           std::optional<DeviceMesh> ep = std::nullopt, RouterOptions router_options = {});
   at::Tensor forward(const at::Tensor& x);
 
-  // Of the last forward: routed (token, k) pairs per global expert on this
-  // rank [E] int64, the routing margin, and the aux loss (undefined without
-  // aux_loss_coef; add it to the loss).
+  // Of the last forward: the chosen experts [T, K] int64, routed (token, k)
+  // pairs per global expert on this rank [E] int64, the routing margin, and
+  // the aux loss (undefined without aux_loss_coef; add it to the loss).
+  const at::Tensor& last_ids() const { return last_ids_; }
   const at::Tensor& last_counts() const { return last_counts_; }
   double last_margin() const { return last_margin_; }
   const at::Tensor& aux_loss() const { return aux_loss_; }
@@ -200,7 +201,7 @@ struct MoEImpl : torch::nn::Module {
   TokenDispatcher dispatcher;
 
  private:
-  at::Tensor last_counts_, aux_loss_;
+  at::Tensor last_ids_, last_counts_, aux_loss_;
   double last_margin_ = 0;
 };
 TORCH_MODULE(MoE);

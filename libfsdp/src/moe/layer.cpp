@@ -26,6 +26,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const auto shape = x.sizes().vec();
   const at::Tensor tokens = x.reshape({-1, shape.back()});
   RouterOutput r = router(tokens);
+  last_ids_ = r.ids;
   last_counts_ = r.counts;
   last_margin_ = r.margin;
   aux_loss_ = r.aux_loss;
