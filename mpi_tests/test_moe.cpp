@@ -164,9 +164,12 @@ BOOST_AUTO_TEST_CASE(router_matches_reference) {
   sigmoid_all.route_norm = true;
   sigmoid_all.route_scale = 0.75;
   const std::vector<RouterCase> cases = {
-      {"softmax k=1", 1, {}},         {"softmax k=2", 2, {}},
-      {"softmax k=E", E, {}},         {"softmax route_norm k=3", 3, norm},
-      {"softmax route_scale 2.5 k=2", 2, scale}, {"sigmoid k=2", 2, sigmoid},
+      {"softmax k=1", 1, {}},
+      {"softmax k=2", 2, {}},
+      {"softmax k=E", E, {}},
+      {"softmax route_norm k=3", 3, norm},
+      {"softmax route_scale 2.5 k=2", 2, scale},
+      {"sigmoid k=2", 2, sigmoid},
       {"sigmoid route_norm route_scale 0.75 k=3", 3, sigmoid_all}};
   l1::Report rep("EP-router");
   for (const RouterCase& c : cases) {
@@ -205,9 +208,9 @@ BOOST_AUTO_TEST_CASE(router_matches_reference) {
 // One-hot tokens make the logits the gate's columns exactly, so gate rows 1
 // and 3, equal, give experts 1 and 3 bitwise equal scores on every token.
 BOOST_AUTO_TEST_CASE(router_ties_go_to_the_lower_id) {
-  const at::Tensor W = at::tensor({1., 0., 2., 3., 3., 3., 1., 0., 0., 1., 3., 2., 3., 3., 1., 0.},
-                                  at::kFloat)
-                           .view({4, 4});
+  const at::Tensor W =
+      at::tensor({1., 0., 2., 3., 3., 3., 1., 0., 0., 1., 3., 2., 3., 3., 1., 0.}, at::kFloat)
+          .view({4, 4});
   // Token t's logits W[:, t]: (1,3,0,3) (0,3,1,3) (2,1,3,1) (3,0,2,0).
   const at::Tensor x = at::eye(4, at::kFloat);
   struct Want {
@@ -216,10 +219,11 @@ BOOST_AUTO_TEST_CASE(router_ties_go_to_the_lower_id) {
     double margin;
   };
   const double e = std::exp(1.0);
-  const double z0 = e + 2 * std::pow(e, 3) + 1;           // tokens 0 and 1
-  const double z2 = e * e + 2 * e + std::pow(e, 3);       // token 2
-  const double z3 = std::pow(e, 3) + 2 + e * e;           // token 3
-  const double k2_margin = std::min({(std::pow(e, 3) - e) / z0, (e * e - e) / z2, (e * e - 1) / z3});
+  const double z0 = e + 2 * std::pow(e, 3) + 1;      // tokens 0 and 1
+  const double z2 = e * e + 2 * e + std::pow(e, 3);  // token 2
+  const double z3 = std::pow(e, 3) + 2 + e * e;      // token 3
+  const double k2_margin =
+      std::min({(std::pow(e, 3) - e) / z0, (e * e - e) / z2, (e * e - 1) / z3});
   const std::vector<Want> wants = {
       {1, {1, 1, 2, 0}, 0.0},  // tokens 0 and 1: 1 and 3 tie at the top
       {2, {1, 3, 1, 3, 2, 0, 0, 2}, k2_margin},
@@ -234,7 +238,8 @@ BOOST_AUTO_TEST_CASE(router_ties_go_to_the_lower_id) {
     const at::Tensor s = out.scores.cpu();
     BOOST_REQUIRE_MESSAGE(s.select(1, 1).equal(s.select(1, 3)),
                           "experts 1 and 3 must tie bitwise on every token");
-    rep.check(label + " ids (mismatches)", mismatches(out.ids, at::tensor(w.ids).view({4, w.k})), 0);
+    rep.check(label + " ids (mismatches)", mismatches(out.ids, at::tensor(w.ids).view({4, w.k})),
+              0);
     rep.check(label + " margin", std::abs(out.margin - w.margin), kTol);
   }
   // Exact binary fractions: the answers are exact.
@@ -328,7 +333,8 @@ BOOST_AUTO_TEST_CASE(all_to_all_uneven_splits) {
   const int64_t w = world(), r = rank();
   const std::vector<std::pair<std::string, Splits>> patterns = {
       {"uneven", uneven_splits(w)},
-      {"nothing sent", Splits(static_cast<size_t>(w), std::vector<int64_t>(static_cast<size_t>(w)))}};
+      {"nothing sent",
+       Splits(static_cast<size_t>(w), std::vector<int64_t>(static_cast<size_t>(w)))}};
   l1::Report rep("EP-a2a");
   for (const auto& [label, S] : patterns) {
     std::vector<int64_t> in_splits, out_splits;
@@ -361,8 +367,13 @@ struct MoEPair {
   models::PlainMoE plain;
   moe::MoE lib;
 
-  MoEPair(int64_t d, int64_t f, int64_t e, int64_t k, uint64_t seed, moe::RouterOptions options = {})
-      : D(d), F(f), E(e), K(k), plain(d, f, e, k),
+  MoEPair(int64_t d, int64_t f, int64_t e, int64_t k, uint64_t seed,
+          moe::RouterOptions options = {})
+      : D(d),
+        F(f),
+        E(e),
+        K(k),
+        plain(d, f, e, k),
         lib(d, f, e, k, world_mesh("ep"), std::move(options)) {
     assign(plain->router->gate->weight, randn({E, D}, seed));
     assign(plain->experts->w1, randn({E, F, D}, seed + 1, 1 / std::sqrt(D)));
@@ -433,11 +444,12 @@ Run run_lib(moe::MoE& lib, const Batch& b) {
 
 // Routing first (equality with the plain model's routing of the same
 // tokens, and the margin on the fixed data), then the numbers.
-void compare_with_plain(l1::Report& rep, const std::string& label, const MoEPair& p,
-                        const Batch& b, const Run& lib, const Run& plain) {
+void compare_with_plain(l1::Report& rep, const std::string& label, const MoEPair& p, const Batch& b,
+                        const Run& lib, const Run& plain) {
   const double wrong = mismatches(p.lib->last_ids(), b.mine(p.plain->last_ids));
   rep.check(label + " routing ids vs plain (mismatches)", wrong, 0);
-  rep.check_differs(label + " routing margin of the global batch", p.plain->last_margin, kMinMargin);
+  rep.check_differs(label + " routing margin of the global batch", p.plain->last_margin,
+                    kMinMargin);
   if (l1::world_max(wrong) > 0 || !(p.plain->last_margin > kMinMargin)) {
     BOOST_ERROR(label << ": routing differs from the plain model's; numbers not compared");
     return;
@@ -447,11 +459,11 @@ void compare_with_plain(l1::Report& rep, const std::string& label, const MoEPair
   at::Tensor gate = p.lib->router->gate->weight.grad();
   gate = gate.defined() ? gate.clone() : at::full({p.E, p.D}, kInf, at::kFloat).to(dev());
   fsdp::world_group()->all_reduce(gate, fsdp::ReduceOp::SUM);
-  rep.check(label + " gate gradient summed over ranks", diff(gate, p.plain->router->gate->weight.grad()),
-            kTol);
+  rep.check(label + " gate gradient summed over ranks",
+            diff(gate, p.plain->router->gate->weight.grad()), kTol);
   const auto mine = p.lib_experts();
-  const auto want = p.plain_local({p.plain->experts->w1.grad(), p.plain->experts->w2.grad(),
-                                   p.plain->experts->w3.grad()});
+  const auto want = p.plain_local(
+      {p.plain->experts->w1.grad(), p.plain->experts->w2.grad(), p.plain->experts->w3.grad()});
   const char* names[] = {"w1", "w2", "w3"};
   for (size_t i = 0; i < 3; ++i) {
     rep.check(label + " local experts' " + names[i] + " gradient", diff(mine[i].grad(), want[i]),
@@ -479,7 +491,8 @@ BOOST_AUTO_TEST_CASE(rank_without_tokens) {
   const Run plain = run_plain(p.plain, b);
   const Run lib = run_lib(p.lib, b);
   l1::Report rep("EP-zero");
-  BOOST_TEST((lib.out.sizes() == at::IntArrayRef({b.count, p.D})), "output shape " << lib.out.sizes());
+  BOOST_TEST((lib.out.sizes() == at::IntArrayRef({b.count, p.D})),
+             "output shape " << lib.out.sizes());
   for (const at::Tensor& w : p.lib_experts()) {
     BOOST_TEST(w.grad().defined(), "rank without tokens: an expert has no gradient");
   }
@@ -499,8 +512,8 @@ at::Tensor reference_moe(const at::Tensor& x, const at::Tensor& ids, const at::T
     const at::Tensor chose = ids == e;
     const at::Tensor rows = chose.any(1).nonzero().reshape({-1});
     const at::Tensor xe = x.index_select(0, rows);
-    const at::Tensor y = at::matmul(at::silu(at::matmul(xe, w1[e].t())) * at::matmul(xe, w3[e].t()),
-                                    w2[e].t());
+    const at::Tensor y =
+        at::matmul(at::silu(at::matmul(xe, w1[e].t())) * at::matmul(xe, w3[e].t()), w2[e].t());
     const at::Tensor w = (weights * chose).sum(1).index_select(0, rows);
     out = out.index_add(0, rows, y * w.unsqueeze(1));
   }
@@ -581,8 +594,9 @@ BOOST_AUTO_TEST_CASE(idle_expert_and_silent_rank) {
     BOOST_TEST(g.defined(), "expert tensor " << i << " has no gradient on rank " << rank());
     rep.check("local experts' w" + std::to_string(i + 1) + " gradient",
               diff(g, full[i].grad().narrow(0, first, local)), kTol);
-    const double idle_grad =
-        !owner ? 0 : g.defined() ? g[idle - first].abs().max().item<double>() : kInf;
+    const double idle_grad = !owner        ? 0
+                             : g.defined() ? g[idle - first].abs().max().item<double>()
+                                           : kInf;
     rep.check("idle expert's w" + std::to_string(i + 1) + " gradient (must be 0)", idle_grad, 0);
   }
   rep.publish();
@@ -597,7 +611,8 @@ BOOST_AUTO_TEST_CASE(expert_grad_norms_match_plain) {
   run_lib(p.lib, b);
   const at::Tensor norms = moe::expert_grad_norms(*p.lib->experts);
   at::Tensor squares = at::zeros({p.E}, at::kDouble);
-  for (const at::Tensor* w : {&p.plain->experts->w1, &p.plain->experts->w2, &p.plain->experts->w3}) {
+  for (const at::Tensor* w :
+       {&p.plain->experts->w1, &p.plain->experts->w2, &p.plain->experts->w3}) {
     squares += w->grad().to(at::kDouble).pow(2).reshape({p.E, -1}).sum(1);
   }
   l1::Report rep("EP-norms");
@@ -613,8 +628,8 @@ BOOST_AUTO_TEST_CASE(rerun_is_bitwise_identical) {
   MoEPair p(16, 12, 8, 2, 91, options);
   const Batch b(p.D, equal_tokens(32), 92);
   auto snapshot = [&](const Run& r) {
-    std::vector<at::Tensor> s = {r.out.detach().clone(), r.x_grad.clone(), p.lib->last_ids().clone(),
-                                 p.lib->aux_loss().detach().clone()};
+    std::vector<at::Tensor> s = {r.out.detach().clone(), r.x_grad.clone(),
+                                 p.lib->last_ids().clone(), p.lib->aux_loss().detach().clone()};
     for (const auto& param : p.lib->parameters()) s.push_back(param.grad().clone());
     l1::clear_grads(*p.lib);
     return s;
@@ -655,8 +670,11 @@ BOOST_AUTO_TEST_CASE(argument_errors) {
   }
   moe::TopKRouter router(4, 4, 2);
   expect_exact<ShapeError>([&] { router(at::zeros({3, 5})); }, "x", "TopKRouter x [3, 5]");
-  expect_exact<ArgumentError>([] { moe::routing_margin(at::zeros({2, 4}), 5); }, "top_k",
-                              "routing_margin top_k > E");
+  expect_exact<ArgumentError>(
+      [] {
+        moe::routing_margin(at::zeros({2, 4}), 5);
+      },
+      "top_k", "routing_margin top_k > E");
 
   const fsdp::DeviceMesh ep = world_mesh("ep");
   const int64_t E = 2 * world();
@@ -669,21 +687,35 @@ BOOST_AUTO_TEST_CASE(argument_errors) {
   const at::Tensor x = at::zeros({3, 4});
   for (int64_t bad : {int64_t{-1}, E}) {
     expect_exact<ArgumentError>(
-        [&] { dispatcher.dispatch(x, at::tensor(std::vector<int64_t>{0, 1, 0, 1, bad, 0}).view({3, 2})); },
+        [&] {
+          dispatcher.dispatch(x, at::tensor(std::vector<int64_t>{0, 1, 0, 1, bad, 0}).view({3, 2}));
+        },
         "ids", "dispatch id " + std::to_string(bad));
   }
-  expect_exact<ShapeError>([&] { dispatcher.dispatch(x, at::zeros({3, 2}, at::kInt)); }, "ids",
-                           "dispatch int32 ids");
+  expect_exact<ShapeError>(
+      [&] {
+        dispatcher.dispatch(x, at::zeros({3, 2}, at::kInt));
+      },
+      "ids", "dispatch int32 ids");
 
   moe::GroupedExperts experts(4, 6, E, ep);
   const std::vector<int64_t> counts(static_cast<size_t>(experts->local_experts), 1);
-  expect_exact<ShapeError>([&] { experts(at::zeros({experts->local_experts + 1, 4}), counts); },
-                           "counts", "GroupedExperts counts not summing to rows");
   expect_exact<ShapeError>(
-      [&] { experts(at::zeros({experts->local_experts + 1, 4}), std::vector<int64_t>(counts.size() + 1, 1)); },
+      [&] {
+        experts(at::zeros({experts->local_experts + 1, 4}), counts);
+      },
+      "counts", "GroupedExperts counts not summing to rows");
+  expect_exact<ShapeError>(
+      [&] {
+        experts(at::zeros({experts->local_experts + 1, 4}),
+                std::vector<int64_t>(counts.size() + 1, 1));
+      },
       "counts", "GroupedExperts one count too many");
-  expect_exact<ShapeError>([&] { experts->load_full(at::zeros({E, 6, 5}), at::zeros({E, 4, 6}), at::zeros({E, 6, 4})); },
-                           "w1", "load_full w1 of another shape");
+  expect_exact<ShapeError>(
+      [&] {
+        experts->load_full(at::zeros({E, 6, 5}), at::zeros({E, 4, 6}), at::zeros({E, 6, 4}));
+      },
+      "w1", "load_full w1 of another shape");
 
   const fsdp::DeviceMesh efsdp = fsdp::init_device_mesh(dev().type(), {world()}, {"efsdp"});
   torch::nn::Linear dense(4, 4);
@@ -692,13 +724,16 @@ BOOST_AUTO_TEST_CASE(argument_errors) {
   moe::MoE layer(4, 6, E, 2, ep);
   for (double bad : {0.0, -2.0, std::nan(""), kInf}) {
     expect_exact<ArgumentError>([&] { moe::expert_options(*layer, {}, efsdp, bad); },
-                                "data_parallel_size", "expert_options data_parallel_size " +
-                                                          std::to_string(bad));
+                                "data_parallel_size",
+                                "expert_options data_parallel_size " + std::to_string(bad));
   }
   const fsdp::DeviceMesh flat2d = fsdp::init_device_mesh(dev().type(), {world(), 1}, {"a", "b"});
   const std::vector<int64_t> none(static_cast<size_t>(world()), 0);
-  expect_exact<MeshError>([&] { moe::all_to_all(at::zeros({0, 4}), none, none, flat2d); }, "ep",
-                          "all_to_all on a 2-D mesh");
+  expect_exact<MeshError>(
+      [&] {
+        moe::all_to_all(at::zeros({0, 4}), none, none, flat2d);
+      },
+      "ep", "all_to_all on a 2-D mesh");
 }
 
 }  // namespace
