@@ -11,7 +11,9 @@
 //   - all_to_all with uneven splits and zeros: values and backward exact;
 //   - MoE (router + TokenDispatcher + GroupedExperts) vs PlainMoE on the
 //     global batch, each rank its slice: routing equality and margin first,
-//     then output, input, gate and expert gradients;
+//     then output, input, gate and expert gradients; at np 4 also on the ep
+//     slice of an (efsdp=2, ep=2) mesh whose two ep groups see different
+//     batches (a group that exchanged with the other would fail);
 //   - zero tokens: an expert nobody routes to, a rank that sends to no peer
 //     (crafted ids), a rank with no tokens at all;
 //   - expert_grad_norms vs norms of the plain gradients; bitwise reruns;
@@ -360,21 +362,23 @@ BOOST_AUTO_TEST_CASE(all_to_all_uneven_splits) {
 
 // ---- the MoE layer against PlainMoE ----------------------------------------------
 
-// A plain MoE with fixed values and the library MoE over ep = the world
-// holding the same values (gate copied, this rank's experts by load_full).
+// A plain MoE with fixed values and the library MoE over `ep` holding the
+// same values (gate copied, this rank's experts by load_full).
 struct MoEPair {
   int64_t D, F, E, K;
+  fsdp::DeviceMesh ep;
   models::PlainMoE plain;
   moe::MoE lib;
 
-  MoEPair(int64_t d, int64_t f, int64_t e, int64_t k, uint64_t seed,
+  MoEPair(int64_t d, int64_t f, int64_t e, int64_t k, uint64_t seed, fsdp::DeviceMesh ep_mesh,
           moe::RouterOptions options = {})
       : D(d),
         F(f),
         E(e),
         K(k),
+        ep(std::move(ep_mesh)),
         plain(d, f, e, k),
-        lib(d, f, e, k, world_mesh("ep"), std::move(options)) {
+        lib(d, f, e, k, ep, std::move(options)) {
     assign(plain->router->gate->weight, randn({E, D}, seed));
     assign(plain->experts->w1, randn({E, F, D}, seed + 1, 1 / std::sqrt(D)));
     assign(plain->experts->w2, randn({E, D, F}, seed + 2, 1 / std::sqrt(F)));
@@ -397,25 +401,26 @@ struct MoEPair {
 };
 
 // A global batch (inputs and the upstream gradient g of loss = sum(out * g))
-// and this rank's rows of it; rank r holds tokens[r] rows.
+// and this rank's rows of it; ep rank r holds tokens[r] rows.
 struct Batch {
   at::Tensor x, g;
   int64_t offset = 0, count = 0;
-  Batch(int64_t D, const std::vector<int64_t>& tokens, uint64_t seed) {
+  Batch(int64_t D, const std::vector<int64_t>& tokens, uint64_t seed, const fsdp::DeviceMesh& ep) {
+    const int64_t r = ep.get_rank();
     int64_t total = 0;
-    for (int64_t j = 0; j < world(); ++j) {
-      if (j == rank()) offset = total;
+    for (int64_t j = 0; j < ep.size(); ++j) {
+      if (j == r) offset = total;
       total += tokens[static_cast<size_t>(j)];
     }
-    count = tokens[static_cast<size_t>(rank())];
+    count = tokens[static_cast<size_t>(r)];
     x = randn({total, D}, seed);
     g = randn({total, D}, seed + 1);
   }
   at::Tensor mine(const at::Tensor& t) const { return t.narrow(0, offset, count); }
 };
 
-std::vector<int64_t> equal_tokens(int64_t total) {
-  return std::vector<int64_t>(static_cast<size_t>(world()), total / world());
+std::vector<int64_t> equal_tokens(int64_t total, int64_t ranks) {
+  return std::vector<int64_t>(static_cast<size_t>(ranks), total / ranks);
 }
 
 struct Run {
@@ -458,8 +463,8 @@ void compare_with_plain(l1::Report& rep, const std::string& label, const MoEPair
   rep.check(label + " input gradient", diff(lib.x_grad, b.mine(plain.x_grad)), kTol);
   at::Tensor gate = p.lib->router->gate->weight.grad();
   gate = gate.defined() ? gate.clone() : at::full({p.E, p.D}, kInf, at::kFloat).to(dev());
-  fsdp::world_group()->all_reduce(gate, fsdp::ReduceOp::SUM);
-  rep.check(label + " gate gradient summed over ranks",
+  p.ep.get_group(0)->all_reduce(gate, fsdp::ReduceOp::SUM);
+  rep.check(label + " gate gradient summed over ep",
             diff(gate, p.plain->router->gate->weight.grad()), kTol);
   const auto mine = p.lib_experts();
   const auto want = p.plain_local(
@@ -472,22 +477,35 @@ void compare_with_plain(l1::Report& rep, const std::string& label, const MoEPair
 }
 
 BOOST_AUTO_TEST_CASE(moe_matches_plain_moe) {
-  MoEPair p(16, 12, 8, 2, 31);
-  const Batch b(p.D, equal_tokens(32), 41);
-  const Run plain = run_plain(p.plain, b);
-  const Run lib = run_lib(p.lib, b);
+  struct Layout {
+    fsdp::DeviceMesh ep;
+    int64_t row;  // seeds the data: rows of a 2-D mesh see different batches
+    std::string label;
+  };
+  std::vector<Layout> layouts = {{world_mesh("ep"), 0, "ep=" + std::to_string(world())}};
+  if (world() == 4) {
+    const fsdp::DeviceMesh m = fsdp::init_device_mesh(dev().type(), {2, 2}, {"efsdp", "ep"});
+    layouts.push_back({m["ep"], m.get_local_rank("efsdp"), "(efsdp=2,ep=2)[ep]"});
+  }
   l1::Report rep("EP-moe");
-  compare_with_plain(rep, "ep=" + std::to_string(world()), p, b, lib, plain);
+  for (const Layout& l : layouts) {
+    const auto seed = static_cast<uint64_t>(31 + 100 * l.row);
+    MoEPair p(16, 12, 8, 2, seed, l.ep);
+    const Batch b(p.D, equal_tokens(32, l.ep.size()), seed + 10, l.ep);
+    const Run plain = run_plain(p.plain, b);
+    const Run lib = run_lib(p.lib, b);
+    compare_with_plain(rep, l.label, p, b, lib, plain);
+  }
   rep.publish();
 }
 
 // Rank 0 holds no tokens; its experts still get the other ranks' tokens,
 // and with one rank nobody has any.
 BOOST_AUTO_TEST_CASE(rank_without_tokens) {
-  MoEPair p(16, 12, 8, 2, 51);
+  MoEPair p(16, 12, 8, 2, 51, world_mesh("ep"));
   std::vector<int64_t> tokens(static_cast<size_t>(world()), 8);
   tokens[0] = 0;
-  const Batch b(p.D, tokens, 61);
+  const Batch b(p.D, tokens, 61, p.ep);
   const Run plain = run_plain(p.plain, b);
   const Run lib = run_lib(p.lib, b);
   l1::Report rep("EP-zero");
@@ -551,7 +569,7 @@ BOOST_AUTO_TEST_CASE(idle_expert_and_silent_rank) {
   std::vector<at::Tensor> all_ids;
   for (int64_t j = 0; j < world(); ++j) all_ids.push_back(crafted_ids(j, T, E));
   const at::Tensor ids = at::cat(all_ids);
-  const Batch b(D, equal_tokens(T * world()), 81);
+  const Batch b(D, equal_tokens(T * world(), world()), 81, ep);
   const at::Tensor weights = randn({T * world(), 2}, 83).abs();
 
   const at::Tensor x = leaf(b.mine(b.x));
@@ -605,8 +623,8 @@ BOOST_AUTO_TEST_CASE(idle_expert_and_silent_rank) {
 // ---- per-expert gradient norms, determinism ----------------------------------
 
 BOOST_AUTO_TEST_CASE(expert_grad_norms_match_plain) {
-  MoEPair p(16, 12, 8, 2, 31);
-  const Batch b(p.D, equal_tokens(32), 41);
+  MoEPair p(16, 12, 8, 2, 31, world_mesh("ep"));
+  const Batch b(p.D, equal_tokens(32, world()), 41, p.ep);
   run_plain(p.plain, b);
   run_lib(p.lib, b);
   const at::Tensor norms = moe::expert_grad_norms(*p.lib->experts);
@@ -625,8 +643,8 @@ BOOST_AUTO_TEST_CASE(rerun_is_bitwise_identical) {
   moe::RouterOptions options;
   options.aux_loss_coef = 0.1;
   options.aux_stats_mesh = world_mesh("dp");
-  MoEPair p(16, 12, 8, 2, 91, options);
-  const Batch b(p.D, equal_tokens(32), 92);
+  MoEPair p(16, 12, 8, 2, 91, world_mesh("ep"), options);
+  const Batch b(p.D, equal_tokens(32, world()), 92, p.ep);
   auto snapshot = [&](const Run& r) {
     std::vector<at::Tensor> s = {r.out.detach().clone(), r.x_grad.clone(),
                                  p.lib->last_ids().clone(), p.lib->aux_loss().detach().clone()};
