@@ -152,7 +152,7 @@ Net plain_net(bool starve) {
     // RMSNorm output (weight 1), is positive; a gate row of -1 then scores
     // about -sum(n) (~ -50) against O(1) for the others.
     net->in->weight.abs_();
-    net->in->bias.abs_().add_(1.0);
+    net->in->bias.abs_();
     for (const auto& [block, expert] : kIdle) {
       net->blocks[static_cast<size_t>(block)]->plain->router->gate->weight[expert].fill_(-1.0);
     }
@@ -393,6 +393,36 @@ double named_err(const Named& got, const Named& want, Pick pick, double tol, dou
   return worst;
 }
 
+// AdamW's update lr * m / (sqrt(v) + eps) has derivative ~lr / eps in g
+// near g = 0: an element whose gradient is within ~100 eps of zero turns the
+// ~1e-9 rounding difference of two correct summation orders into a
+// parameter difference above the tolerance (here block0.moe.experts.w2:
+// single-card gradient 8.6e-10, sharded 1.2e-9, parameters 2.5e-4 apart
+// after two steps). As in l3_util.h, the parameters are compared on the
+// elements whose single-card gradient stayed >= 100 eps (or exactly 0: an
+// idle expert's, whose update is then exact) through every step; the others
+// are covered by the gradient check. `skipped` counts them.
+double conditioned_param_err(const Run& got, const Run& want, int64_t* skipped, int64_t* total) {
+  const double eps = torch::optim::AdamWOptions().eps();
+  double worst = 0;
+  for (const auto& [name, w] : want.params) {
+    at::Tensor keep = at::ones(w.sizes(), at::kBool);
+    for (const auto& s : want.steps) {
+      const at::Tensor& g = s.grads.at(name);
+      keep = keep.logical_and((g.abs() >= 100 * eps).logical_or(g == 0));
+    }
+    *skipped += keep.numel() - keep.sum().item<int64_t>();
+    *total += keep.numel();
+    auto it = got.params.find(name);
+    const double e = it == got.params.end()
+                         ? l1::kInf
+                         : l1::diff(it->second.masked_select(keep), w.masked_select(keep));
+    BOOST_TEST(e <= kTol, name << " after AdamW: error " << e);
+    if (!(e <= worst)) worst = e;
+  }
+  return worst;
+}
+
 double all_err(const Named& got, const Named& want) {
   BOOST_TEST(got.size() == want.size(),
              got.size() << " parameters in the sharded run, " << want.size() << " on the single card");
@@ -538,7 +568,12 @@ void check_coupling(l1::Report& report, const Run& got, const Run& want, const L
   report.check("per-expert grad norm vs single card" + n, norms, kTol);
   report.check("global grad norm vs single card" + n, gnorm, kTol);
   report.check("grad vs single card (every parameter, full tensors)" + n, grads, kTol);
-  report.check("params after AdamW vs single card" + n, all_err(got.params, want.params), kTol);
+  BOOST_TEST(got.params.size() == want.params.size());
+  int64_t skipped = 0, total = 0;
+  const double pe = conditioned_param_err(got, want, &skipped, &total);
+  report.check("params after AdamW vs single card, " + std::to_string(skipped) + " of " +
+                   std::to_string(total) + " elements with |grad| < 100 eps left to the grad check" + n,
+               pe, kTol);
   report.check("collective (op, role) sequence identical on every rank" + n, seq, 0);
 }
 
