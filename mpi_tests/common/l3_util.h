@@ -19,7 +19,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -44,6 +46,10 @@ inline ref::RunRecord load_reference(const ref::Case& c) {
 
 inline std::string mesh_text(const ref::RunSpec& spec) {
   if (spec.layout == ref::Layout::DDP) return "DDP";
+  if (spec.ep.size > 1) {
+    return "EP (replicate " + std::to_string(spec.mesh_shape.at(0)) + ", efsdp " +
+           std::to_string(spec.mesh_shape.at(1)) + ", ep " + std::to_string(spec.ep.size) + ")";
+  }
   std::string text =
       spec.mesh_shape.size() == 1
           ? "FSDP 1-D (" + std::to_string(spec.mesh_shape[0]) + ")"
@@ -61,6 +67,14 @@ inline ref::RunSpec fsdp(std::vector<int64_t> shape) {
   ref::RunSpec s;
   s.layout = ref::Layout::FSDP;
   s.mesh_shape = std::move(shape);
+  return s;
+}
+
+// dp2ep: dense weights on (replicate, efsdp x ep), experts on ep and
+// (replicate, efsdp).
+inline ref::RunSpec fsdp_ep(int64_t replicate, int64_t efsdp, int64_t ep) {
+  ref::RunSpec s = fsdp({replicate, efsdp});
+  s.ep.size = ep;
   return s;
 }
 
@@ -95,6 +109,8 @@ struct Metrics {
   // gradient agrees to 1e-9. Those elements' gradients are still compared
   // (grads), and the excluded count is part of the metric's name.
   double adam_eps = 0;
+  // Sub-norms the plan gives their own tolerance (name -> tol; others: tol).
+  std::map<std::string, double> norm_tol;
 };
 
 // Elements of `name` whose reference gradient stayed >= 100 * eps through
@@ -127,12 +143,25 @@ inline void compare(l1::Report& report, const std::string& label, const ref::Run
     const auto& g = got.steps[k];
     const auto& w = want.steps[k];
     const std::string at = label + ": step " + std::to_string(k) + " ";
+    // Routing first: a token sent to another expert changes its output by
+    // O(1), so the numbers below mean nothing unless every token agrees.
+    for (const auto& [layer, ids] : w.routing) {
+      auto it = g.routing.find(layer);
+      const double differ =
+          it == g.routing.end() || it->second.sizes() != ids.sizes()
+              ? l1::kInf
+              : static_cast<double>((it->second != ids).any(1).sum().item<int64_t>());
+      report.check(at + layer + " tokens routed differently (of " + std::to_string(ids.size(0)) + ")",
+                   differ, 0.0);
+    }
     if (m.loss) report.check(at + "loss", std::abs(g.loss - w.loss), tol);
     if (m.grad_norm) report.check(at + "global grad norm", std::abs(g.grad_norm - w.grad_norm), tol);
     if (m.sub_norms) {
       for (const auto& [name, v] : w.norms) {
         auto it = g.norms.find(name);
-        report.check(at + name + " grad norm", it == g.norms.end() ? l1::kInf : std::abs(it->second - v), tol);
+        auto own = m.norm_tol.find(name);
+        report.check(at + name + " grad norm", it == g.norms.end() ? l1::kInf : std::abs(it->second - v),
+                     own == m.norm_tol.end() ? tol : own->second);
       }
     }
     if (m.chunks && !w.chunk_losses.empty()) {
@@ -181,7 +210,8 @@ inline void check_bitwise(l1::Report& report, const std::string& label, const re
     upd(std::abs(x.grad_norm - y.grad_norm));
     for (const auto& [n, v] : x.norms) upd(y.norms.count(n) ? std::abs(v - y.norms.at(n)) : l1::kInf);
     upd(x.chunk_losses == y.chunk_losses ? 0 : l1::kInf);
-    for (auto m : {&ref::StepRecord::grads, &ref::StepRecord::params}) {
+    upd(x.routing_margin == y.routing_margin ? 0 : l1::kInf);
+    for (auto m : {&ref::StepRecord::grads, &ref::StepRecord::params, &ref::StepRecord::routing}) {
       for (const auto& [n, t] : x.*m) {
         auto it = (y.*m).find(n);
         upd(it == (y.*m).end() || !at::equal(t, it->second) ? l1::kInf : 0);
@@ -189,6 +219,43 @@ inline void check_bitwise(l1::Report& report, const std::string& label, const re
     }
   }
   report.check(label + ": rerun in the same process bitwise identical", worst, 0.0);
+}
+
+// The same collectives in the same order on every rank (the plan's "no
+// all-to-all / all-gather conflict"): each step's "<op>@<role>" list of
+// every rank against rank 0's; the first difference is named.
+inline void check_same_collectives(l1::Report& report, const std::string& label,
+                                   const ref::RunRecord& r) {
+  for (size_t k = 0; k < r.steps.size(); ++k) {
+    const auto& mine = r.steps[k].collectives;
+    std::string text;
+    for (const auto& c : mine) text += c + "\n";
+    at::Tensor size = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+    fsdp::world_group()->broadcast(size, 0);
+    at::Tensor bytes = at::zeros({size.item<int64_t>()}, at::kByte);
+    if (spmd::rank() == 0) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+    fsdp::world_group()->broadcast(bytes, 0);
+    std::vector<std::string> first;
+    std::string line;
+    for (int64_t i = 0; i < bytes.numel(); ++i) {
+      const char ch = static_cast<char>(bytes.data_ptr<uint8_t>()[i]);
+      if (ch == '\n') {
+        first.push_back(line);
+        line.clear();
+      } else {
+        line += ch;
+      }
+    }
+    size_t n = 0;
+    while (n < mine.size() && n < first.size() && mine[n] == first[n]) ++n;
+    const bool same = n == mine.size() && n == first.size();
+    BOOST_TEST(same, label << ": step " << k << " rank " << spmd::rank() << " collective #" << n
+                           << " is " << (n < mine.size() ? mine[n] : "(none)") << ", rank 0's "
+                           << (n < first.size() ? first[n] : "(none)"));
+    report.check(label + ": step " + std::to_string(k) + " collective sequence (" +
+                     std::to_string(first.size()) + " on rank 0) identical on every rank",
+                 same ? 0.0 : 1.0, 0.0);
+  }
 }
 
 }  // namespace l3

@@ -3,10 +3,12 @@
 
 #include <models/init.h>
 #include <models/llm.h>
+#include <models/moe_llm.h>
 #include <models/multimodal.h>
 #include <models/tp_llm.h>
 #include <models/vit.h>
 
+#include <fsdp/moe.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
@@ -275,12 +277,155 @@ class MultimodalCase : public Case {
   models::MultimodalConfig cfg_{};
 };
 
+// ---- L3-03: decoder with MoE FFNs in its odd layers, experts over ep -------
+// Single and DDP train the plain form (no fsdp::moe code); the EP form is
+// fsdp::moe::MoE over the ep mesh, loaded from the plain one. No aux loss
+// (the plan's parity setting: PARALLELISM.md 6.6.6).
+class MoELlmCase : public Case {
+ public:
+  std::string name() const override { return "moe_llm"; }
+  std::vector<std::string> plan_ids() const override { return {"L3-03"}; }
+  nlohmann::json config() const override {
+    auto c = common_config(kSeed, 8);
+    c["model"] = {{"vocab", cfg_.vocab},   {"hidden", cfg_.hidden},
+                  {"heads", cfg_.heads},   {"layers", cfg_.layers},
+                  {"ffn", cfg_.ffn_dim()}, {"experts", cfg_.experts},
+                  {"top_k", cfg_.top_k},   {"expert_ffn", cfg_.expert_dim()},
+                  {"seq", cfg_.seq},       {"moe_layers", "odd"},
+                  {"tie_output", true},    {"aux_loss_coef", 0.0}};
+    return c;
+  }
+  std::shared_ptr<torch::nn::Module> build() const override {
+    auto m = std::make_shared<models::MoEDecoderImpl>(cfg_);
+    models::init_weights(*m, kSeed);
+    return m;
+  }
+  std::shared_ptr<torch::nn::Module> build_ep(const fsdp::DeviceMesh& ep) const override {
+    auto full = as<models::MoEDecoderImpl>(build());
+    auto m = std::make_shared<models::MoEDecoderImpl>(cfg_, models::MoEForm::Library, ep);
+    m->load_full(*full);
+    return m;
+  }
+  std::vector<Unit> shard(const std::shared_ptr<torch::nn::Module>& model,
+                          const fsdp::FullyShardOptions& o) const override {
+    return shard_layers(model, o, nullptr, 0);
+  }
+  std::vector<Unit> shard_ep(const std::shared_ptr<torch::nn::Module>& model,
+                             const fsdp::FullyShardOptions& o, const fsdp::DeviceMesh& expert_mesh,
+                             double data_parallel_size) const override {
+    return shard_layers(model, o, &expert_mesh, data_parallel_size);
+  }
+  LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
+                    int64_t world) const override {
+    auto tokens = models::random_tokens(data_seed(kSeed, step, 0), global_batch(), cfg_.seq + 1,
+                                        cfg_.vocab);
+    tokens = models::rank_slice(tokens, rank, world);
+    fsdp::Sharded<models::MoEDecoder> net(as<models::MoEDecoderImpl>(model));
+    return {models::lm_loss(net(tokens.narrow(1, 0, cfg_.seq)), tokens.narrow(1, 1, cfg_.seq)),
+            {}};
+  }
+  // A dense, an expert and a router weight (attn.proj rather than the larger
+  // qkv keeps data/ under its 30 MB budget next to the experts' [4, 512, 256]).
+  std::vector<std::string> recorded() const override {
+    return {"layer0.attn.proj.weight", "layer1.moe.experts.w1", "layer3.moe.router.gate.weight"};
+  }
+  // "dense": every parameter but the experts (the plan's dense grad norm).
+  std::map<std::string, std::vector<std::string>> sub_norms() const override {
+    std::vector<std::string> dense = {"embed.", "norm."};
+    for (int64_t i = 0; i < cfg_.layers; ++i) {
+      const std::string l = "layer" + std::to_string(i) + ".";
+      if (!cfg_.is_moe(i)) {
+        dense.push_back(l);
+        continue;
+      }
+      for (const char* part : {"attn_norm.", "attn.", "ffn_norm.", "moe.router."}) {
+        dense.push_back(l + part);
+      }
+    }
+    return {{"dense", dense}};
+  }
+  // "layer<i>.expert<e>": the 2-norm over w1, w2 and w3 of expert e.
+  std::map<std::string, double> model_norms(const torch::nn::Module& model) const override {
+    const auto& d = dynamic_cast<const models::MoEDecoderImpl&>(model);
+    std::map<std::string, double> out;
+    const auto layers = moe_layer_names();
+    for (size_t j = 0; j < d.moe_layers.size(); ++j) {
+      const auto& block = *d.moe_layers[j].holder();
+      const at::Tensor per_expert = block.moe ? fsdp::moe::expert_grad_norms(*block.moe->experts)
+                                              : plain_expert_norms(*block.plain->experts);
+      for (int64_t e = 0; e < per_expert.numel(); ++e) {
+        out[layers[j] + ".expert" + std::to_string(e)] = per_expert[e].item<double>();
+      }
+    }
+    return out;
+  }
+  std::optional<Routing> routing(const torch::nn::Module& model) const override {
+    const auto& d = dynamic_cast<const models::MoEDecoderImpl&>(model);
+    Routing r;
+    const auto ids = d.last_ids();
+    const auto layers = moe_layer_names();
+    for (size_t j = 0; j < ids.size(); ++j) r.ids[layers[j]] = ids[j];
+    r.margin = d.last_margin();
+    return r;
+  }
+
+ private:
+  // The margin on this data: see reference/README.md.
+  static constexpr int64_t kSeed = 5678;
+
+  std::vector<std::string> moe_layer_names() const {
+    std::vector<std::string> out;
+    for (int64_t i = 0; i < cfg_.layers; ++i) {
+      if (cfg_.is_moe(i)) out.push_back("layer" + std::to_string(i));
+    }
+    return out;
+  }
+
+  // From the full gradients alone (the baselines' experts are not sharded).
+  static at::Tensor plain_expert_norms(const models::PlainExpertsImpl& experts) {
+    at::Tensor sq = at::zeros({experts.w1.size(0)}, at::kDouble);
+    for (const at::Tensor* w : {&experts.w1, &experts.w2, &experts.w3}) {
+      if (w->grad().defined()) {
+        sq += w->grad().to(at::kDouble).pow(2).reshape({w->size(0), -1}).sum(1);
+      }
+    }
+    return sq.sqrt();
+  }
+
+  // Layers (dense or MoE blocks), then the root (embedding, tied output,
+  // final norm); with an expert mesh the MoE blocks get their experts on it.
+  std::vector<Unit> shard_layers(const std::shared_ptr<torch::nn::Module>& model,
+                                 const fsdp::FullyShardOptions& o,
+                                 const fsdp::DeviceMesh* expert_mesh, double dp_size) const {
+    auto d = as<models::MoEDecoderImpl>(model);
+    std::vector<Unit> units;
+    for (int64_t i = 0; i < cfg_.layers; ++i) {
+      const std::string prefix = "layer" + std::to_string(i) + ".";
+      const size_t j = static_cast<size_t>(i / 2);
+      if (!cfg_.is_moe(i)) {
+        units.push_back({prefix, fsdp::fully_shard(d->dense_layers[j], o)});
+        continue;
+      }
+      const auto& block = d->moe_layers[j];
+      units.push_back(
+          {prefix, fsdp::fully_shard(block, expert_mesh ? fsdp::moe::expert_options(
+                                                              *block.ptr(), o, *expert_mesh, dp_size)
+                                                        : o)});
+    }
+    units.push_back({"", fsdp::fully_shard(model, o)});
+    return units;
+  }
+
+  models::MoEDecoderConfig cfg_{};
+};
+
 const std::vector<std::pair<std::string, std::function<std::unique_ptr<Case>()>>>& registry() {
   static const std::vector<std::pair<std::string, std::function<std::unique_ptr<Case>()>>> r = {
       {"llm_decoder", [] { return std::make_unique<LlmDecoderCase>(); }},
       {"chunked_ce", [] { return std::make_unique<ChunkedCeCase>(); }},
       {"vit", [] { return std::make_unique<VitCase>(); }},
       {"multimodal", [] { return std::make_unique<MultimodalCase>(); }},
+      {"moe_llm", [] { return std::make_unique<MoELlmCase>(); }},
   };
   return r;
 }
@@ -289,6 +434,16 @@ const std::vector<std::pair<std::string, std::function<std::unique_ptr<Case>()>>
 
 std::shared_ptr<torch::nn::Module> Case::build_tp(const fsdp::DeviceMesh&, const TPSpec&) const {
   throw std::logic_error("reference case " + name() + " has no tensor-parallel form");
+}
+
+std::shared_ptr<torch::nn::Module> Case::build_ep(const fsdp::DeviceMesh&) const {
+  throw std::logic_error("reference case " + name() + " has no expert-parallel form");
+}
+
+std::vector<Unit> Case::shard_ep(const std::shared_ptr<torch::nn::Module>&,
+                                 const fsdp::FullyShardOptions&, const fsdp::DeviceMesh&,
+                                 double) const {
+  throw std::logic_error("reference case " + name() + " has no expert-parallel form");
 }
 
 int64_t Case::steps() const { return config().at("steps").get<int64_t>(); }

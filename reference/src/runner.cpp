@@ -1,6 +1,7 @@
 #include "reference/case.h"
 
 #include <fsdp/clip_grad.h>
+#include <fsdp/comm.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/mesh.h>
 
@@ -9,6 +10,7 @@
 #include <torch/optim/adamw.h>
 
 #include <cmath>
+#include <set>
 #include <stdexcept>
 
 namespace ref {
@@ -97,14 +99,62 @@ class FullView {
   std::map<std::string, fsdp::DTensor> dtensors_;
 };
 
+// The role of each communicator of the meshes a run built: the names of the
+// mesh dims whose group it is ("dense", "ep", or "shard+ep" when two dims
+// have the same ranks). Size-1 groups never communicate and are left out.
+class GroupRoles {
+ public:
+  void add(const fsdp::DeviceMesh& mesh) {
+    for (int i = 0; i < mesh.ndim(); ++i) {
+      if (mesh.size(i) > 1) roles_[mesh.get_group(i)->name()].insert(mesh.dim_names()[i]);
+    }
+  }
+  // "<op>@<role>" per record, in issue order.
+  std::vector<std::string> describe(const std::vector<fsdp::CollectiveRecord>& sequence) const {
+    std::vector<std::string> out;
+    for (const auto& r : sequence) {
+      auto it = roles_.find(r.group);
+      std::string role;
+      if (it == roles_.end()) {
+        role = "unbuilt " + r.group;
+      } else {
+        for (const auto& n : it->second) role += (role.empty() ? "" : "+") + n;
+      }
+      out.push_back(r.op + "@" + role);
+    }
+    return out;
+  }
+
+ private:
+  std::map<std::string, std::set<std::string>> roles_;
+};
+
+// Every rank's rows of a per-rank [T, K] int64 tensor, in rank order.
+at::Tensor gather_rows(const at::Tensor& local, const World& w) {
+  const at::Tensor mine = local.to(at::kCPU, at::kLong).contiguous();
+  if (w.size == 1) return mine.clone();
+  std::vector<int64_t> shape = mine.sizes().vec();
+  shape[0] *= w.size;
+  at::Tensor all = at::empty(shape, mine.options());
+  MPI_Allgather(mine.data_ptr<int64_t>(), static_cast<int>(mine.numel()), MPI_INT64_T,
+                all.data_ptr<int64_t>(), static_cast<int>(mine.numel()), MPI_INT64_T,
+                MPI_COMM_WORLD);
+  return all;
+}
+
 }  // namespace
 
 RunRecord run(const Case& c, const RunSpec& spec) {
   const World w = world_of(spec.layout);
   const int64_t tp = spec.layout == Layout::FSDP ? spec.tp.size : 1;
+  const int64_t ep = spec.layout == Layout::FSDP ? spec.ep.size : 1;
   if (tp < 1 || w.size % tp != 0) {
     throw std::invalid_argument("RunSpec.tp.size: expected a divisor of the world size " +
                                 std::to_string(w.size));
+  }
+  if (ep < 1 || w.size % ep != 0 || (ep > 1 && tp > 1)) {
+    throw std::invalid_argument("RunSpec.ep.size: expected a divisor of the world size " +
+                                std::to_string(w.size) + ", and no TP with it");
   }
   // Ranks of one tp group share a data slice: the data-parallel coordinate.
   World data = w;
@@ -112,7 +162,34 @@ RunRecord run(const Case& c, const RunSpec& spec) {
   data.size = w.size / static_cast<int>(tp);
   std::shared_ptr<torch::nn::Module> model;
   std::vector<Unit> units;
-  if (spec.layout == Layout::FSDP) {
+  GroupRoles roles;
+  if (spec.layout == Layout::FSDP && ep > 1) {
+    // dp2ep: the dense weights are sharded over every data-parallel rank of
+    // a replica (efsdp x ep); the sparse view of the same ranks splits that
+    // dim into (efsdp, ep).
+    if (spec.mesh_shape.size() != 2 || spec.mesh_shape[0] * spec.mesh_shape[1] * ep != w.size) {
+      throw std::invalid_argument("RunSpec.mesh_shape: with EP expected {replicate, efsdp} with "
+                                  "product " + std::to_string(w.size / ep));
+    }
+    const int64_t replicate = spec.mesh_shape[0], efsdp = spec.mesh_shape[1];
+    const fsdp::DeviceMesh dense =
+        fsdp::init_device_mesh("cpu", {replicate, efsdp * ep}, {"replicate", "dense"});
+    const fsdp::DeviceMesh sparse = dense.unflatten("dense", {efsdp, ep}, {"efsdp", "ep"});
+    roles.add(dense);
+    roles.add(sparse);
+    fsdp::FullyShardOptions options;
+    options.mesh = dense;
+    // replicate_dim stays unset: fully_shard would also look that name up in
+    // the experts' (replicate, efsdp) mesh, which has no dim named
+    // shard_dim, and reject it; FSDP's default finds "replicate" anyway.
+    options.shard_dim = "dense";
+    options.reshard_after_forward = spec.reshard_after_forward;
+    model = c.build_ep(sparse["ep"]);
+    // A size-1 replicate dim issues no collective, so (replicate, efsdp)
+    // serves both replicate = 1 and HSDP.
+    units = c.shard_ep(model, options, sparse[{"replicate", "efsdp"}],
+                       static_cast<double>(w.size));
+  } else if (spec.layout == Layout::FSDP) {
     int64_t product = 1;
     for (int64_t d : spec.mesh_shape) product *= d;
     if (spec.mesh_shape.empty() || spec.mesh_shape.size() > 2 || product * tp != w.size) {
@@ -132,6 +209,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
     options.shard_dim = "shard";
     if (shape.size() > 1 && names[0] == "replicate") options.replicate_dim = "replicate";
     options.reshard_after_forward = spec.reshard_after_forward;
+    roles.add(*options.mesh);
     model = tp > 1 ? c.build_tp((*options.mesh)["tp"], spec.tp) : c.build();
     units = c.shard(model, options);
   } else {
@@ -152,12 +230,21 @@ RunRecord run(const Case& c, const RunSpec& spec) {
 
   RunRecord record;
   for (int64_t step = 0; step < c.steps(); ++step) {
+    if (spec.layout == Layout::FSDP) fsdp::reset_collective_counters();
     opt.zero_grad();
     LocalLoss out = c.forward(model, step, data.rank, data.size);
+    StepRecord s;
+    if (auto r = c.routing(*model)) {
+      // Routing cases are data parallel over the world (no TP form).
+      for (const auto& [layer, ids] : r->ids) s.routing[layer] = gather_rows(ids, w);
+      s.routing_margin = r->margin;
+      if (w.size > 1) {
+        MPI_Allreduce(MPI_IN_PLACE, &s.routing_margin, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+      }
+    }
     out.loss.backward();
     if (spec.layout == Layout::DDP) ddp_all_reduce(model->parameters(), w);
 
-    StepRecord s;
     s.loss = mean_over_world(out.loss.item<double>(), w);
     s.grad_norm = norm_of(model->parameters());
     for (const auto& [norm_name, prefixes] : c.sub_norms()) {
@@ -167,6 +254,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
       }
       s.norms[norm_name] = norm_of(subset);
     }
+    for (const auto& [norm_name, v] : c.model_norms(*model)) s.norms[norm_name] = v;
     if (out.chunk_losses.defined()) {
       at::Tensor local = out.chunk_losses.detach().to(at::kCPU, at::kDouble).contiguous();
       at::Tensor all = at::empty({local.numel() * w.size}, local.options());
@@ -184,6 +272,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
 
     opt.step();
     for (const auto& name : c.recorded()) s.params[name] = view.value(name, /*grad=*/false);
+    if (spec.layout == Layout::FSDP) s.collectives = roles.describe(fsdp::collective_counters().sequence);
     record.steps.push_back(std::move(s));
   }
   return record;

@@ -72,6 +72,24 @@ at::Tensor read_tensor(const H5::Group& g, const std::string& name) {
   return t;
 }
 
+// Routing ids (int64).
+void write_ids(H5::Group& g, const std::string& name, const at::Tensor& t) {
+  at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
+  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
+  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
+  g.createDataSet(name, H5::PredType::STD_I64LE, space).write(c.data_ptr<int64_t>(), H5::PredType::NATIVE_INT64);
+}
+
+at::Tensor read_ids(const H5::Group& g, const std::string& name) {
+  H5::DataSet ds = g.openDataSet(name);
+  H5::DataSpace space = ds.getSpace();
+  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
+  space.getSimpleExtentDims(dims.data());
+  at::Tensor t = at::empty(std::vector<int64_t>(dims.begin(), dims.end()), at::kLong);
+  ds.read(t.data_ptr<int64_t>(), H5::PredType::NATIVE_INT64);
+  return t;
+}
+
 std::vector<std::string> members(const H5::Group& g) {
   std::vector<std::string> out;
   for (hsize_t i = 0; i < g.getNumObjs(); ++i) out.push_back(g.getObjnameByIdx(i));
@@ -118,12 +136,13 @@ void write_reference(const std::string& path, const Case& c, const RunRecord& re
     write_string_attr(root, "blas_core", blas_core_name());
     write_string_attr(root, "generator", "fsdp-reference (libfsdp), single process, fp32, 1 thread");
 
-    std::vector<double> loss, norm, chunks;
+    std::vector<double> loss, norm, chunks, margins;
     std::map<std::string, std::vector<double>> norms;
     size_t n_chunks = 0;
     for (const auto& s : record.steps) {
       loss.push_back(s.loss);
       norm.push_back(s.grad_norm);
+      margins.push_back(s.routing_margin);
       for (const auto& [k, v] : s.norms) norms[k].push_back(v);
       n_chunks = s.chunk_losses.size();
       chunks.insert(chunks.end(), s.chunk_losses.begin(), s.chunk_losses.end());
@@ -131,6 +150,8 @@ void write_reference(const std::string& path, const Case& c, const RunRecord& re
     write_doubles(root, "loss", loss);
     write_doubles(root, "grad_norm", norm);
     if (n_chunks > 0) write_doubles(root, "chunk_losses", chunks, {record.steps.size(), n_chunks});
+    const bool routed = !record.steps.empty() && !record.steps[0].routing.empty();
+    if (routed) write_doubles(root, "routing_margin", margins);
     if (!norms.empty()) {
       H5::Group g = root.createGroup("norms");
       for (const auto& [k, v] : norms) write_doubles(g, k, v);
@@ -141,6 +162,10 @@ void write_reference(const std::string& path, const Case& c, const RunRecord& re
       for (const auto& [name, t] : record.steps[k].grads) write_tensor(grads, name, t);
       H5::Group params = step.createGroup("param");
       for (const auto& [name, t] : record.steps[k].params) write_tensor(params, name, t);
+      if (routed) {
+        H5::Group routing = step.createGroup("routing");
+        for (const auto& [name, t] : record.steps[k].routing) write_ids(routing, name, t);
+      }
     }
   }
   fs::rename(tmp, path);
@@ -160,6 +185,8 @@ StoredReference read_reference_unchecked(const std::string& path) {
   std::vector<hsize_t> chunk_dims;
   std::vector<double> chunks;
   if (root.nameExists("chunk_losses")) chunks = read_doubles(root, "chunk_losses", &chunk_dims);
+  std::vector<double> margins;
+  if (root.nameExists("routing_margin")) margins = read_doubles(root, "routing_margin");
   std::map<std::string, std::vector<double>> norms;
   if (root.nameExists("norms")) {
     H5::Group g = root.openGroup("norms");
@@ -180,6 +207,11 @@ StoredReference read_reference_unchecked(const std::string& path) {
     for (const auto& name : members(grads)) s.grads[name] = read_tensor(grads, name);
     H5::Group params = step.openGroup("param");
     for (const auto& name : members(params)) s.params[name] = read_tensor(params, name);
+    if (!margins.empty()) {
+      s.routing_margin = margins.at(k);
+      H5::Group routing = step.openGroup("routing");
+      for (const auto& name : members(routing)) s.routing[name] = read_ids(routing, name);
+    }
   }
   return out;
 }

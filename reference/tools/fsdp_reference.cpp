@@ -58,6 +58,14 @@ Diff compare(const ref::RunRecord& a, const ref::RunRecord& b) {
     for (size_t i = 0; i < x.chunk_losses.size() && i < y.chunk_losses.size(); ++i) {
       diff.add(s + "chunk_losses", std::abs(x.chunk_losses[i] - y.chunk_losses[i]));
     }
+    diff.add(s + "routing_margin", x.routing_margin == y.routing_margin
+                                       ? 0
+                                       : std::abs(x.routing_margin - y.routing_margin));
+    diff.add(s + "routing(names)", x.routing.size() == y.routing.size() ? 0 : 1.0 / 0.0);
+    for (const auto& [n, t] : x.routing) {
+      auto it = y.routing.find(n);
+      diff.add(s + "routing/" + n, it != y.routing.end() && t.equal(it->second) ? 0 : 1.0 / 0.0);
+    }
     for (const auto* kind : {"grad", "param"}) {
       const auto& xm = std::string(kind) == "grad" ? x.grads : x.params;
       const auto& ym = std::string(kind) == "grad" ? y.grads : y.params;

@@ -5,7 +5,9 @@
 //   DDP     an independent data-parallel baseline (full replicas, gradients
 //           all-reduced with MPI_Allreduce after backward -- no libfsdp code);
 //   FSDP    fully_shard per block and per sub-model root on a 1-D (FSDP) or
-//           2-D (replicate, shard) HSDP mesh.
+//           2-D (replicate, shard) HSDP mesh; with tensor parallelism, or
+//           with expert parallelism (dp2ep: dense weights on (replicate,
+//           efsdp x ep), experts on ep and (replicate, efsdp)).
 //
 // Every layout sees the same global batch per step (each rank takes its
 // slice) and the same initial weights (from the case's seed), steps AdamW,
@@ -22,8 +24,10 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,12 +44,21 @@ struct TPSpec {
   bool loss_parallel = false;
 };
 
+// Expert parallelism under FSDP (PARALLELISM.md 6.1 (a), torchtitan's
+// dp2ep): every rank sees different data; the case's EP form splits the
+// experts over an ep dim of the world mesh (replicate, efsdp, ep).
+struct EPSpec {
+  int64_t size = 1;  // 1: no EP
+};
+
 struct RunSpec {
   Layout layout = Layout::Single;
   // FSDP: {dp} (1-D) or {replicate, shard} (HSDP); product * tp.size = world.
+  // With EP: {replicate, efsdp}; product * ep.size = world.
   std::vector<int64_t> mesh_shape;
   bool reshard_after_forward = true;
   TPSpec tp;  // FSDP only
+  EPSpec ep;  // FSDP only, not with TP
 };
 
 struct StepRecord {
@@ -55,6 +68,15 @@ struct StepRecord {
   std::vector<double> chunk_losses;        // chunked CE only, global chunk order
   std::map<std::string, at::Tensor> grads;   // full gradients (fp32, CPU)
   std::map<std::string, at::Tensor> params;  // full parameters after the step
+  // MoE cases: per MoE layer the chosen experts [tokens, top_k] (int64) of
+  // the global batch in token order, and the smallest routing margin (k-th
+  // minus (k+1)-th score) over every layer and token (+inf without MoE).
+  std::map<std::string, at::Tensor> routing;
+  double routing_margin = std::numeric_limits<double>::infinity();
+  // FSDP: this rank's collectives of the step in issue order, as
+  // "<op>@<group role>" (roles: the mesh dims the runner built, e.g. dense,
+  // efsdp, ep). Local, unlike the rest of the record; not stored.
+  std::vector<std::string> collectives;
 };
 
 struct RunRecord {
@@ -65,6 +87,12 @@ struct RunRecord {
 struct LocalLoss {
   at::Tensor loss;          // mean over the local slice (what backward starts from)
   at::Tensor chunk_losses;  // [chunks] local, each a share of `loss` (optional)
+};
+
+// What a case's model routed in its last forward (MoE cases).
+struct Routing {
+  std::map<std::string, at::Tensor> ids;  // per MoE layer, this rank's tokens [T, top_k]
+  double margin = std::numeric_limits<double>::infinity();  // over this rank's tokens
 };
 
 // A sharded unit and the prefix of its module's parameter names in the model.
@@ -90,6 +118,18 @@ class Case {
   // case without one.
   virtual std::shared_ptr<torch::nn::Module> build_tp(const fsdp::DeviceMesh& tp,
                                                       const TPSpec& spec) const;
+  // Its expert-parallel form: this rank's experts of the 1-D mesh `ep` and
+  // build()'s values under the same names. std::logic_error for a case
+  // without one.
+  virtual std::shared_ptr<torch::nn::Module> build_ep(const fsdp::DeviceMesh& ep) const;
+  // fully_shard of the EP form: as shard(), but the blocks that hold experts
+  // shard them on `expert_mesh` ((replicate, efsdp)) with gradient divide
+  // factor `data_parallel_size` (fsdp::moe::expert_options).
+  // std::logic_error for a case without an EP form.
+  virtual std::vector<Unit> shard_ep(const std::shared_ptr<torch::nn::Module>& model,
+                                     const fsdp::FullyShardOptions& options,
+                                     const fsdp::DeviceMesh& expert_mesh,
+                                     double data_parallel_size) const;
   // Applies fully_shard bottom-up (blocks, sub-model roots, the root last)
   // with `options` as the base, and returns every unit.
   virtual std::vector<Unit> shard(const std::shared_ptr<torch::nn::Module>& model,
@@ -102,6 +142,12 @@ class Case {
   virtual std::vector<std::string> recorded() const = 0;
   // Named gradient norms: name -> parameter-name prefixes it covers.
   virtual std::map<std::string, std::vector<std::string>> sub_norms() const { return {}; }
+  // Gradient norms the case computes from the model itself after the
+  // synchronised backward (per-expert norms), the same on every rank.
+  // Collective under FSDP: every rank calls it in the same order.
+  virtual std::map<std::string, double> model_norms(const torch::nn::Module&) const { return {}; }
+  // The routing of the last forward (none: the model does not route).
+  virtual std::optional<Routing> routing(const torch::nn::Module&) const { return std::nullopt; }
 
   int64_t steps() const;
   double lr() const;
@@ -109,7 +155,7 @@ class Case {
   int64_t global_batch() const;
 };
 
-// Registered cases, by name: llm_decoder, chunked_ce, vit, multimodal.
+// Registered cases, by name: llm_decoder, chunked_ce, vit, multimodal, moe_llm.
 std::vector<std::string> case_names();
 // ArgumentError-style std::invalid_argument naming the known cases.
 std::unique_ptr<Case> make_case(const std::string& name);

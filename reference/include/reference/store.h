@@ -6,6 +6,8 @@
 //   /loss, /grad_norm                 float64 [steps]
 //   /norms/<name>                     float64 [steps]
 //   /chunk_losses                     float64 [steps, chunks]   (chunked CE)
+//   /routing_margin                   float64 [steps]           (MoE)
+//   /step<k>/routing/<layer>          int64 [tokens, top_k]     (MoE)
 //   /step<k>/grad/<param>             float32, the parameter's shape
 //   /step<k>/param/<param>            float32, after optimizer step k
 #pragma once
