@@ -100,7 +100,7 @@ class FullView {
 };
 
 // The role of each communicator of the meshes a run built: the names of the
-// mesh dims whose group it is ("dense", "ep", or "shard+ep" when two dims
+// mesh dims whose group it is ("dense", "ep", or "dense+ep" when two dims
 // have the same ranks). Size-1 groups never communicate and are left out.
 class GroupRoles {
  public:
