@@ -1,11 +1,14 @@
 // fsdp-bench train: one training step of the test plan's LLM decoder under
 // single-process, a plain DDP baseline, three FSDP configurations, FSDP
 // composed with tensor parallelism and FSDP inside pipeline stages (fsdp::pp),
-// in one run, on the same model, seed and global batch.
+// in one run, on the same model, seed and global batch -- and, for scale, the
+// mixture-of-experts decoder with expert parallelism (fsdp::moe) on the same
+// batch.
 //
 // Every configuration builds a fresh models::Decoder from the same seed (the
 // TP configurations copy their slices of it into a models::TPDecoder, the
-// pipeline configurations keep their stages of it, models::DecoderStage) and
+// pipeline configurations keep their stages of it, models::DecoderStage;
+// the expert-parallel one builds models::MoEDecoder from the same seed) and
 // trains it with AdamW (zero_grad, forward, backward, step per iteration).
 // The configurations run interleaved step by step (the harness's
 // time_interleaved), so load drift hits them alike. Memory is measured by a
@@ -16,12 +19,14 @@
 #include "fsdp/comm.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
+#include "fsdp/moe.h"
 #include "fsdp/pipeline.h"
 #include "fsdp/tensor_parallel.h"
 
 #include <models/decoder_stages.h>
 #include <models/init.h>
 #include <models/llm.h>
+#include <models/moe_llm.h>
 #include <models/tp_llm.h>
 
 #include <ATen/core/Tensor.h>
@@ -167,11 +172,15 @@ struct Options {
   int tp = 0;  // 0: 2 when the world size is even, else the TP configs are skipped
   int pp = 0;  // likewise for the pipeline configs
   int microbatches = 0;  // 0: one per sequence of the per-pipeline batch
+  int ep = 0;  // likewise for the expert-parallel config
   std::vector<std::string> configs;
   std::string json_path;
 };
 
-enum class Kind { Single, Ddp, Fsdp, FsdpTp, FsdpPp };
+enum class Kind { Single, Ddp, Fsdp, FsdpTp, FsdpPp, FsdpEp };
+
+// The expert-parallel config's MoE layers (models::MoEDecoder's defaults).
+constexpr int64_t kExperts = 4, kTopK = 2;
 
 struct ConfigSpec {
   std::string key;
@@ -221,6 +230,13 @@ const std::vector<ConfigSpec>& all_configs() {
        "as fsdp-pp-gpipe, interleaved 1F1B with 2 stages per rank (looped: rank r holds stages "
        "r and r + pp)",
        {}, fsdp::pp::ScheduleKind::Interleaved1F1B, 2},
+      {"fsdp-ep-moe", Kind::FsdpEp, true, false,
+       "ANOTHER MODEL: models::MoEDecoder (the same dims, odd layers MoE: 4 SwiGLU experts of "
+       "ffn 2 x hidden, top-2, fp32 softmax router) from the same seed, experts split over ep "
+       "on an (efsdp, ep) mesh; every rank takes its own batch slice; dense layers and the root "
+       "fully_shard over all ranks, each MoE layer with fsdp::moe::expert_options (experts on "
+       "efsdp, divide factor = ranks); its loss and persistent ratio are not the dense "
+       "decoder's"},
   };
   return table;
 }
@@ -256,7 +272,8 @@ fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
 }
 
 // One configuration's model, optimizer and step. `mesh`: (shard) for Fsdp,
-// (shard, tp) for FsdpTp, (pp, dp) for FsdpPp, unused otherwise.
+// (shard, tp) for FsdpTp, (pp, dp) for FsdpPp, (efsdp, ep) for FsdpEp,
+// unused otherwise.
 class Trainer {
  public:
   Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
@@ -277,6 +294,8 @@ class Trainer {
     fo.comm_fusion = spec.comm_fusion;
     if (spec.kind == Kind::FsdpPp) {
       build_pipeline(decoder, fo, o, *mesh);
+    } else if (spec.kind == Kind::FsdpEp) {
+      build_moe(cfg, fo, o, *mesh);
     } else if (spec.kind == Kind::FsdpTp) {
       tp_group_ = mesh->get_group("tp")->name();
       data_rank_ = mesh->get_local_rank("shard");
@@ -472,6 +491,37 @@ class Trainer {
     model_ = local;
   }
 
+  // models::MoEDecoder of the same dims and seed, its library form on
+  // mesh's ep; dense units over the flattened mesh, MoE layers with the
+  // experts on efsdp.
+  void build_moe(const models::DecoderConfig& cfg, fsdp::FullyShardOptions fo, const Options& o,
+                 const fsdp::DeviceMesh& mesh) {
+    models::MoEDecoderConfig mc;
+    mc.vocab = cfg.vocab;
+    mc.hidden = cfg.hidden;
+    mc.heads = cfg.heads;
+    mc.layers = cfg.layers;
+    mc.seq = cfg.seq;
+    mc.experts = kExperts;
+    mc.top_k = kTopK;
+    models::MoEDecoder plain(mc);
+    models::init_weights(*plain, o.seed);
+    models::MoEDecoder net(mc, models::MoEForm::Library, mesh["ep"]);
+    net->load_full(*plain);
+    fo.mesh = mesh.flatten("shard");
+    for (auto& layer : net->dense_layers) fsdp::fully_shard(layer.holder(), fo);
+    for (auto& layer : net->moe_layers) {
+      fsdp::fully_shard(layer.holder(),
+                        fsdp::moe::expert_options(*layer.holder().ptr(), fo, mesh["efsdp"],
+                                                  static_cast<double>(world_)));
+    }
+    fsdp::Sharded<models::MoEDecoder> root = fsdp::fully_shard(net, fo);
+    loss_ = [root](const at::Tensor& inputs, const at::Tensor& targets) mutable {
+      return models::lm_loss(root(inputs), targets);
+    };
+    model_ = net.ptr();
+  }
+
   ConfigSpec spec_;
   int account_;
   MPI_Comm comm_;
@@ -582,6 +632,20 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     specs.erase(std::remove_if(specs.begin(), specs.end(), is_pp), specs.end());
   }
   const bool any_pp = std::any_of(specs.begin(), specs.end(), is_pp);
+  const int ep = o.ep > 0 ? o.ep : 2;
+  auto is_ep = [](const ConfigSpec& s) { return s.kind == Kind::FsdpEp; };
+  std::string ep_skipped;
+  if (o.ep == 0 && world % ep != 0) {
+    for (const ConfigSpec& s : specs) {
+      if (is_ep(s)) ep_skipped += (ep_skipped.empty() ? "" : ", ") + s.key;
+    }
+    if (!ep_skipped.empty()) {
+      ep_skipped += fmt::format(" skipped: the default --ep 2 needs an even world size, not {}",
+                                world);
+    }
+    specs.erase(std::remove_if(specs.begin(), specs.end(), is_ep), specs.end());
+  }
+  const bool any_ep = std::any_of(specs.begin(), specs.end(), is_ep);
   // The pipelines' data-parallel size, batch and microbatches.
   const int pp_dp = world % pp == 0 ? world / pp : 1;
   const int pp_local_batch = o.batch / pp_dp;
@@ -595,6 +659,9 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     bad = fmt::format("--tp {} does not divide the world size {}", tp, world);
   } else if (cfg.hidden % cfg.heads != 0) {
     bad = fmt::format("--hidden {} is not a multiple of --heads {}", cfg.hidden, cfg.heads);
+  } else if (any_ep && (world % ep != 0 || kExperts % ep != 0)) {
+    bad = fmt::format("--ep {} does not divide both the world size {} and the {} experts", ep,
+                      world, kExperts);
   } else if (any_pp && world % pp != 0) {
     bad = fmt::format("--pp {} does not divide the world size {}", pp, world);
   } else if (any_pp && pp_local_batch % microbatches != 0) {
@@ -653,6 +720,13 @@ int run(const Options& o, const fsdp::Runtime& rt) {
                                    "sequence(s) per pipeline",
                                    pp, pp_dp, microbatches, pp_local_batch / microbatches)
                      : pp_skipped);
+  report.meta("ep", any_ep ? nlohmann::json({{"size", ep}, {"efsdp", world / ep},
+                                              {"experts", kExperts}, {"top_k", kTopK}})
+                            : nlohmann::json(nullptr),
+              any_ep ? fmt::format("fsdp-ep-moe: mesh (efsdp={}, ep={}), {} experts per MoE layer, "
+                                   "top-{}",
+                                   world / ep, ep, kExperts, kTopK)
+                     : ep_skipped);
   for (const ConfigSpec& s : specs) report.note(fmt::format("{:>19}: {}", s.key, s.legend));
   report.note("step: zero_grad + forward + loss + backward (+ DDP all-reduce) + AdamW step; "
               "each step after a barrier; time = slowest rank; configs interleaved step by "
@@ -686,16 +760,21 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     mesh = fsdp::init_device_mesh("cpu", {world}, {"shard"});
   }
   if (any_tp) tp_mesh = fsdp::init_device_mesh("cpu", {world / tp, tp}, {"shard", "tp"});
-  std::optional<fsdp::DeviceMesh> pp_mesh, pp_world;
+  std::optional<fsdp::DeviceMesh> pp_mesh, pp_world, ep_mesh;
   if (any_pp) {
     pp_mesh = fsdp::init_device_mesh("cpu", {pp, pp_dp}, {"pp", "dp"});
     pp_world = pp_mesh->flatten("world");  // bubble_fraction's group
   }
+  if (any_ep) ep_mesh = fsdp::init_device_mesh("cpu", {world / ep, ep}, {"efsdp", "ep"});
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (size_t i = 0; i < specs.size(); ++i) {
     trainers.push_back(std::make_unique<Trainer>(
         specs[i], static_cast<int>(i) + 1, cfg, o,
-        is_tp(specs[i]) ? tp_mesh : is_pp(specs[i]) ? pp_mesh : mesh, comm));
+        is_tp(specs[i])   ? tp_mesh
+        : is_pp(specs[i]) ? pp_mesh
+        : is_ep(specs[i]) ? ep_mesh
+                          : mesh,
+        comm));
   }
   const size_t n = trainers.size();
 
@@ -772,14 +851,17 @@ int run(const Options& o, const fsdp::Runtime& rt) {
       phase_ms[i][ph] = summarize(column).median_us / 1e3;
     }
   }
-  // Per config: AG, RS, AR off the tp group, the same on it, bytes.
+  // Per config: AG, RS, AR off the tp group, the same on it, bytes; and
+  // the all-to-alls (the expert-parallel config's dispatch and combine).
   std::vector<std::array<int64_t, 7>> comm_counts(n);
+  std::vector<int64_t> all_to_alls(n, 0);
   for (size_t i = 0; i < n; ++i) {
     MPI_Barrier(comm);
     fsdp::reset_collective_counters();
     const Batch& b = data[i].back();
     trainers[i]->step(b.inputs, b.targets);
     const fsdp::CollectiveCounters c = fsdp::collective_counters();
+    all_to_alls[i] = c.total("all_to_all");
     int64_t bytes = 0;
     for (const auto& entry : c.bytes) bytes += entry.second;
     if (trainers[i]->spec().kind == Kind::Ddp) bytes = trainers[i]->persistent().grads;
@@ -821,7 +903,8 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     report.row({specs[i].key, ms, stats[i].min_us / 1e3, stats[i].max_us / 1e3,
                 ratio_or_dash(ms, ddp_ms), ratio_or_dash(ms, single_ms),
                 static_cast<double>(m[0]) / kMiB,
-                ratio_or_dash(static_cast<double>(m[0]), ideal_share),
+                is_ep(specs[i]) ? Cell(std::string("-"))
+                                : ratio_or_dash(static_cast<double>(m[0]), ideal_share),
                 static_cast<double>(m[4]) / kMiB, static_cast<double>(m[5]) / kMiB,
                 phase_ms[i][0], phase_ms[i][1], phase_ms[i][2], phase_ms[i][3], colls, tp_colls,
                 bubble[i] >= 0 ? Cell(bubble[i]) : Cell(std::string("-")), m[0], m[1], m[2],
@@ -832,11 +915,15 @@ int run(const Options& o, const fsdp::Runtime& rt) {
                             "ddp", static_cast<double>(mem[*ddp * 6 + 2]) / kMiB));
   }
 
-  // Same data and seed: every configuration should reach the same loss.
+  // Same data and seed: every configuration of the dense decoder should
+  // reach the same loss (the MoE decoder is another model).
   double loss_lo = 0, loss_hi = 0;
+  bool first_loss = true;
   for (size_t i = 0; i < n; ++i) {
-    loss_lo = i == 0 ? losses[i] : std::min(loss_lo, losses[i]);
-    loss_hi = i == 0 ? losses[i] : std::max(loss_hi, losses[i]);
+    if (is_ep(specs[i])) continue;
+    loss_lo = first_loss ? losses[i] : std::min(loss_lo, losses[i]);
+    loss_hi = first_loss ? losses[i] : std::max(loss_hi, losses[i]);
+    first_loss = false;
   }
   report.summary("final_loss_spread", loss_hi - loss_lo,
                  fmt::format("loss after the last timed step: {:.6f} .. {:.6f} across configs "
@@ -875,6 +962,20 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     report.summary("pipeline_bubble", bubbles,
                    fmt::format("pipelines (pp={}, dp={}, {} microbatches): {}", pp, pp_dp,
                                microbatches, text));
+  }
+  if (any_ep) {
+    for (size_t i = 0; i < n; ++i) {
+      if (!is_ep(specs[i])) continue;
+      const double ms = stats[i].median_us / 1e3;
+      report.summary("step_ratio_ep_vs_ddp", ddp ? nlohmann::json(ms / ddp_ms) : nullptr,
+                     fmt::format("{} {:.1f} ms{}, loss {:.6f} (the MoE decoder; {} all-to-alls "
+                                 "per step)",
+                                 specs[i].key, ms,
+                                 ddp ? fmt::format(" ({:.3f}x DDP of the dense decoder)",
+                                                   ms / ddp_ms)
+                                     : std::string(),
+                                 losses[i], all_to_alls[i]));
+    }
   }
   if (full) {
     nlohmann::json per = nlohmann::json::object();
@@ -965,6 +1066,11 @@ void add_train_command(CLI::App& app, Command& chosen) {
                   "batch, --batch / dp)")
       ->check(CLI::Range(1, 1 << 20))
       ->default_str("one per sequence of the per-pipeline batch");
+  sub->add_option("--ep", o->ep,
+                  "Expert-parallel size of the fsdp-ep-moe config (dividing the ranks and its 4 "
+                  "experts); mesh (efsdp = ranks / ep, ep)")
+      ->check(CLI::Range(1, 4096))
+      ->default_str("2 if the world size is even, else that config is skipped");
   sub->add_option("--json", o->json_path,
                   "Write JSON: '--json' alone prints it to stdout instead of the table; "
                   "'--json FILE' keeps the table and writes FILE")

@@ -73,6 +73,58 @@ void resolve_pipeline(TrainConfig& cfg) {
   }
 }
 
+// --experts, --top-k and --ep against each other, the world and the other
+// parallelisms (the checks fsdp::moe's constructors would make, named by the
+// flags).
+void resolve_moe(TrainConfig& cfg, int world_size) {
+  if (!cfg.moe) {
+    const char* flag = cfg.experts != 0 ? "--experts"
+                       : cfg.top_k != 0 ? "--top-k"
+                       : cfg.ep != 0    ? "--ep"
+                                        : nullptr;
+    if (flag != nullptr) throw ConfigError(fmt::format("{}: needs --moe", flag));
+    cfg.ep = 1;
+    return;
+  }
+  if (cfg.tp > 1 || cfg.pp > 1) {
+    throw ConfigError(fmt::format(
+        "--moe: the mixture of experts does not combine with {} {} in fsdp-train; its layout "
+        "is data parallel over every rank, the experts split over --ep",
+        cfg.tp > 1 ? "--tp" : "--pp", cfg.tp > 1 ? cfg.tp : cfg.pp));
+  }
+  if (cfg.mesh.find('x') != std::string::npos) {
+    throw ConfigError(fmt::format(
+        "--mesh {}: --moe shards the dense weights over every rank (1-D) and the experts over "
+        "(efsdp, ep); HSDP is not offered with --moe",
+        cfg.mesh));
+  }
+  if (cfg.experts == 0) cfg.experts = 4;
+  if (cfg.top_k == 0) cfg.top_k = 2;
+  if (cfg.ep == 0) cfg.ep = 1;
+  if (cfg.experts < 1) throw ConfigError(fmt::format("--experts {}: must be >= 1", cfg.experts));
+  if (cfg.top_k < 1 || cfg.top_k > cfg.experts) {
+    throw ConfigError(fmt::format("--top-k {}: must be in [1, --experts {}]", cfg.top_k,
+                                  cfg.experts));
+  }
+  if (cfg.ep < 1) throw ConfigError(fmt::format("--ep {}: must be >= 1", cfg.ep));
+  if (world_size % cfg.ep != 0) {
+    throw ConfigError(fmt::format(
+        "--ep {}: the job has {} ranks (mpiexec -n {}), which do not divide by the ep size",
+        cfg.ep, world_size, world_size));
+  }
+  if (cfg.experts % cfg.ep != 0) {
+    throw ConfigError(fmt::format(
+        "--ep {}: --experts {} do not split evenly over {} ep ranks; use a divisor of the "
+        "expert count",
+        cfg.ep, cfg.experts, cfg.ep));
+  }
+  if (cfg.layers < 2) {
+    throw ConfigError(fmt::format(
+        "--layers {}: the MoE decoder's odd layers are its MoE layers; use at least 2",
+        cfg.layers));
+  }
+}
+
 }  // namespace
 
 std::string TrainConfig::mesh_string() const {
@@ -85,6 +137,10 @@ std::string TrainConfig::mesh_string() const {
                        stages_per_rank > 1 ? fmt::format(", {} stages per rank", stages_per_rank)
                                            : "",
                        microbatches, local_batch() / microbatches);
+  }
+  if (moe) {
+    return fmt::format("{} (FSDP; experts: efsdp {} x ep {}, {} experts, top-{})", dims, efsdp(),
+                       ep, experts, top_k);
   }
   if (tp == 1) {
     return dims + (hsdp() ? " (replicate x shard, HSDP)" : " (FSDP)");
@@ -132,8 +188,21 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--stages-per-rank", cfg.stages_per_rank,
                  "with --pp: pipeline stages on each rank (looped: rank r holds stages r, r + pp, "
                  "...); more than 1 needs --schedule interleaved [default: 1, 2 for interleaved]");
+  app.add_flag("--moe", cfg.moe,
+               "train the mixture-of-experts decoder (models::MoEDecoder: odd layers route each "
+               "byte to --top-k of --experts SwiGLU experts): dense weights sharded over every "
+               "rank, the experts split over --ep and sharded over the world / ep ranks that "
+               "own the same ones");
+  app.add_option("--experts", cfg.experts,
+                 "with --moe: experts per MoE layer, divisible by --ep [default: 4]");
+  app.add_option("--top-k", cfg.top_k,
+                 "with --moe: experts each token is routed to, in [1, --experts] [default: 2]");
+  app.add_option("--ep", cfg.ep,
+                 "with --moe: expert-parallel size, dividing the world and --experts; ep rank r "
+                 "owns experts [r E/ep, (r+1) E/ep) [default: 1, every rank every expert]");
   app.add_option("--layers", cfg.layers,
-                 "decoder layers (with --pp they must divide by the number of stages)")
+                 "decoder layers (with --pp they must divide by the number of stages; with "
+                 "--moe at least 2)")
       ->capture_default_str();
   app.add_option("--mp", cfg.mp, "fp32, or bf16 (bf16 parameters/compute, fp32 gradient reduction)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
@@ -210,6 +279,7 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
     }
   }
   if (cfg.layers < 1) throw ConfigError(fmt::format("--layers {}: must be >= 1", cfg.layers));
+  resolve_moe(cfg, world_size);
   const int64_t model_parallel = cfg.tp * cfg.pp;
   if (cfg.mesh.empty()) {
     cfg.mesh_shape = {world_size / model_parallel};
@@ -296,13 +366,18 @@ nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t dat
                {"stages_per_rank", cfg.stages_per_rank},
                {"microbatches", cfg.microbatches}};
   }
+  // Likewise absent without --moe; ep is recorded since the shards' shapes
+  // and the gradient sums follow it.
+  if (cfg.moe) {
+    j["moe"] = {{"experts", cfg.experts}, {"top_k", cfg.top_k}, {"ep", cfg.ep}};
+  }
   return j;
 }
 
 void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& current,
                          const std::string& where) {
   // The world size and the layout first: they explain most mismatches.
-  std::vector<std::string> keys = {"world", "mesh", "tp", "pp"};
+  std::vector<std::string> keys = {"world", "mesh", "tp", "pp", "moe"};
   for (const auto* side : {&current, &saved}) {
     for (auto it = side->begin(); it != side->end(); ++it) {
       if (std::find(keys.begin(), keys.end(), it.key()) == keys.end()) keys.push_back(it.key());
@@ -318,7 +393,8 @@ void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& curr
     throw ConfigError(fmt::format(
         "--resume: {} was written with {} = {}, but this run has {} = {}; resume with the "
         "same world size, --mesh, --tp, --sequence-parallel, --loss-parallel, --pp, "
-        "--schedule, --stages-per-rank, --microbatches, --layers, --mp, --batch, --seq, "
+        "--schedule, --stages-per-rank, --microbatches, --moe, --experts, --top-k, --ep, "
+        "--layers, --mp, --batch, --seq, "
         "--seed, --lr, --clip and --data (or start afresh without --resume / with another "
         "--out)",
         where, key, text(saved, key), key, text(current, key)));

@@ -34,6 +34,13 @@ struct TrainConfig {
   std::string schedule;         // "" = 1f1b (with --pp)
   int64_t microbatches = 0;     // 0 = one per sequence of the per-pipeline batch
   int64_t stages_per_rank = 0;  // 0 = 1, or 2 for interleaved
+  // Mixture of experts: models::MoEDecoder (odd layers MoE) on an
+  // (efsdp = world / ep, ep) mesh. 0 = the default with --moe (4, 2, 1);
+  // without --moe a non-zero value is a flag error.
+  bool moe = false;
+  int64_t experts = 0;
+  int64_t top_k = 0;
+  int64_t ep = 0;
   std::string mp = "fp32";
   bool reshard_after_forward = true;
   bool reshard_after_forward_given = false;  // --reshard-after-forward on the command line
@@ -60,10 +67,12 @@ struct TrainConfig {
   bool hsdp() const { return mesh_shape.size() == 2; }
   bool pipelined() const { return pp > 1; }
   int64_t num_stages() const { return pp * stages_per_rank; }
+  int64_t efsdp() const { return dp_size / ep; }
   // Sequences per data-parallel rank (with --pp: a pipeline's batch).
   int64_t local_batch() const { return batch / dp_size; }
   // "[2] (FSDP)", "[2x2] (replicate x shard, HSDP)", "[2] x tp 2 (FSDP + TP, ...)",
-  // "pp 2 x [2] (PP + FSDP, 1f1b, 4 microbatches)"
+  // "pp 2 x [2] (PP + FSDP, 1f1b, 4 microbatches)",
+  // "[4] (FSDP; experts: efsdp 2 x ep 2, 4 experts, top-2)"
   std::string mesh_string() const;
   double tolerance() const;
 };
@@ -76,6 +85,8 @@ void add_flags(CLI::App& app, TrainConfig& cfg);
 // divide by --tp is the TP layers' check (see shard_decoder). With --pp:
 // resolves --schedule, --stages-per-rank and --microbatches, and checks that
 // the layers split into the stages and the microbatches into the batch.
+// With --moe: resolves --experts, --top-k and --ep and checks them against
+// each other and the world size (and that --tp, --pp and HSDP are off).
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes);
 
 // What a checkpoint records and --resume requires to match: everything that

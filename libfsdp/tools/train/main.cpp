@@ -91,6 +91,22 @@ std::string abs_path(const std::string& p) {
   return ec ? p : a.lexically_normal().string();
 }
 
+// --moe: per MoE layer, max / mean over the experts of the (token, k) pairs
+// routed to each in the last step's global batch (1 = perfectly balanced,
+// E / k = all to k experts). Collective over the world: every rank sees
+// different data.
+std::vector<double> expert_load(const std::vector<at::Tensor>& counts) {
+  std::vector<double> out;
+  for (const at::Tensor& c : counts) {
+    at::Tensor global = c.to(at::kLong).clone(at::MemoryFormat::Contiguous);  // not in place
+    MPI_Allreduce(MPI_IN_PLACE, global.data_ptr<int64_t>(), static_cast<int>(global.numel()),
+                  MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    const double mean = static_cast<double>(global.sum().item<int64_t>()) / global.numel();
+    out.push_back(mean > 0 ? static_cast<double>(global.max().item<int64_t>()) / mean : 0.0);
+  }
+  return out;
+}
+
 // --verify with --pp: removes the last stage's output.weight from `params`
 // after checking that it equals embed.weight bitwise; prints the outcome.
 bool check_tied_copy(std::vector<std::pair<std::string, at::Tensor>>& params) {
@@ -138,13 +154,26 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
     shape.push_back(cfg.tp);
     dims.push_back("tp");
   }
+  // --moe: ep innermost, so ep rank = world rank % ep and the ranks that
+  // own the same experts (efsdp) are ep apart.
+  if (cfg.moe) {
+    shape = {cfg.efsdp(), cfg.ep};
+    dims = {"efsdp", "ep"};
+  }
   const auto mesh = cfg.pipelined() ? pipeline_mesh(cfg, rt.device().type())
                                     : fsdp::init_device_mesh(rt.device().type(), shape, dims);
   const int64_t dp_rank = (rank % (cfg.dp_size * cfg.tp)) / cfg.tp;
-  const models::Decoder plain = build_decoder(cfg);
-  const int64_t n_params = parameter_count(plain);
-  ShardedDecoder sharded =
-      cfg.pipelined() ? shard_pipeline(plain, cfg, mesh) : shard_decoder(plain, cfg, mesh);
+  int64_t n_params = 0;
+  ShardedDecoder sharded;
+  if (cfg.moe) {
+    const models::MoEDecoder plain = build_moe_decoder(cfg);
+    n_params = parameter_count(*plain);
+    sharded = shard_moe_decoder(plain, cfg, mesh);
+  } else {
+    const models::Decoder plain = build_decoder(cfg);
+    n_params = parameter_count(*plain);
+    sharded = cfg.pipelined() ? shard_pipeline(plain, cfg, mesh) : shard_decoder(plain, cfg, mesh);
+  }
   fsdp::FSDPModule root = sharded.units.back().second;
   auto opt = make_optimizer(*sharded.net, cfg);
   const std::vector<at::Tensor> params = sharded.net->parameters();
@@ -167,15 +196,19 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
         cfg.pipelined() && !cfg.reshard_after_forward_given
             ? std::string("false (the pipeline's default: gathered across microbatches)")
             : fmt::format("{}", cfg.reshard_after_forward);
+    const std::string experts =
+        cfg.moe ? fmt::format(" (odd ones MoE: {} SwiGLU experts of ffn {}, top-{})", cfg.experts,
+                              moe_decoder_config(cfg).expert_dim(), cfg.top_k)
+                : std::string();
     std::cout << fmt::format(
                      "fsdp-train: {} ranks, mesh {}, mp {}, reshard-after-forward {}, ac {} | "
-                     "model {:.2f}M params (byte decoder: vocab {}, hidden {}, heads {}, layers "
-                     "{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per {}) | "
+                     "model {:.2f}M params (byte {}decoder: vocab {}, hidden {}, heads {}, layers "
+                     "{}{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per {}) | "
                      "data {} ({} bytes) | {} steps, AdamW lr {} wd 0, clip {}, seed {} | {} "
                      "thread(s)/rank, LibTorch {}, BLAS {}",
                      world, cfg.mesh_string(), cfg.mp, reshard, cfg.ac, n_params / 1e6,
-                     cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, decoder_config(cfg).ffn_dim(),
-                     cfg.batch, cfg.seq, tokens_per_step, cfg.local_batch(),
+                     cfg.moe ? "MoE " : "", cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, experts,
+                     decoder_config(cfg).ffn_dim(), cfg.batch, cfg.seq, tokens_per_step, cfg.local_batch(),
                      cfg.pipelined() ? "pipeline" : "rank", cfg.data, corpus.size(), cfg.steps,
                      cfg.lr, cfg.clip, cfg.seed, at::get_num_threads(), TORCH_VERSION,
                      rt.blas_library())
@@ -215,7 +248,8 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
                           {"tp", cfg.tp}, {"sequence_parallel", cfg.sequence_parallel},
                           {"loss_parallel", cfg.loss_parallel}, {"pp", cfg.pp},
                           {"schedule", cfg.schedule}, {"stages_per_rank", cfg.stages_per_rank},
-                          {"microbatches", cfg.microbatches},
+                          {"microbatches", cfg.microbatches}, {"moe", cfg.moe},
+                          {"experts", cfg.experts}, {"top_k", cfg.top_k}, {"ep", cfg.ep},
                           {"reshard_after_forward", cfg.reshard_after_forward}, {"ac", cfg.ac},
                           {"steps", cfg.steps}, {"checkpoint_every", cfg.checkpoint_every}}},
                         {"torch", TORCH_VERSION}};
@@ -260,9 +294,11 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
     const double tok_s = progress.record(seconds_since(t0));
     const bool print = progress.should_log(step);
     const MemoryPeak mem = print ? gather_peak_rss() : MemoryPeak{};
+    const std::vector<double> load =
+        print && cfg.moe ? expert_load(sharded.expert_counts()) : std::vector<double>{};
     if (lead) {
       log->add({step, mean_loss, norm, tok_s});
-      if (print) std::cout << progress.line(step, mean_loss, mem, bubble) << std::endl;
+      if (print) std::cout << progress.line(step, mean_loss, mem, bubble, load) << std::endl;
     }
     if (step == cfg.steps || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)) {
       save(step);
@@ -297,7 +333,9 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
       std::cout << fmt::format("verify: re-running steps 1..{} unsharded in one process ({}{}, "
                                "one micro-batch per data-parallel rank)",
                                cfg.steps, cfg.bf16() ? "fp32 master, bf16 compute" : "fp32",
-                               cfg.tp > 1 || cfg.pipelined() ? ", the plain decoder" : "")
+                               cfg.moe                         ? ", the plain MoE decoder"
+                               : cfg.tp > 1 || cfg.pipelined() ? ", the plain decoder"
+                                                               : "")
                 << std::endl;
       if (cfg.pipelined()) {
         // The last stage's copy of the tied weight must still equal the

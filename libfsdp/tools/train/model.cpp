@@ -2,6 +2,7 @@
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/errors.h>
+#include <fsdp/moe.h>
 #include <fsdp/tensor_parallel.h>
 #include <models/init.h>
 #include <models/layers.h>
@@ -30,9 +31,27 @@ models::Decoder build_decoder(const TrainConfig& cfg) {
   return net;
 }
 
-int64_t parameter_count(const models::Decoder& net) {
+models::MoEDecoderConfig moe_decoder_config(const TrainConfig& cfg) {
+  models::MoEDecoderConfig m;
+  m.vocab = cfg.vocab;
+  m.hidden = cfg.hidden;
+  m.heads = cfg.heads;
+  m.layers = cfg.layers;
+  m.experts = cfg.experts;
+  m.top_k = cfg.top_k;
+  m.seq = cfg.seq;
+  return m;
+}
+
+models::MoEDecoder build_moe_decoder(const TrainConfig& cfg) {
+  models::MoEDecoder net(moe_decoder_config(cfg));
+  models::init_weights(*net, cfg.seed);
+  return net;
+}
+
+int64_t parameter_count(const torch::nn::Module& net) {
   int64_t n = 0;
-  for (const auto& p : net->parameters()) n += p.numel();
+  for (const auto& p : net.parameters()) n += p.numel();
   return n;
 }
 
@@ -89,6 +108,17 @@ models::TPDecoder build_tp_decoder(const models::Decoder& net, const TrainConfig
   }
 }
 
+void apply_ac(ShardedDecoder& d, const TrainConfig& cfg) {
+  if (cfg.ac == "none") return;
+  const int64_t every = cfg.ac == "all" ? 1 : 2;
+  fsdp::apply_activation_checkpointing(
+      d.net, fsdp::checkpoint_every_nth(every, [](const torch::nn::Module& m) {
+        return dynamic_cast<const models::DecoderLayerImpl*>(&m) != nullptr ||
+               dynamic_cast<const models::TPDecoderLayerImpl*>(&m) != nullptr ||
+               dynamic_cast<const models::MoEBlockImpl*>(&m) != nullptr;
+      }));
+}
+
 }  // namespace
 
 ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
@@ -108,14 +138,40 @@ ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
       return tp_net->loss(root(inputs_of(tokens)).to(at::kFloat), targets_of(tokens));
     };
   }
-  if (cfg.ac != "none") {
-    const int64_t every = cfg.ac == "all" ? 1 : 2;
-    fsdp::apply_activation_checkpointing(
-        d.net, fsdp::checkpoint_every_nth(every, [](const torch::nn::Module& m) {
-          return dynamic_cast<const models::DecoderLayerImpl*>(&m) != nullptr ||
-                 dynamic_cast<const models::TPDecoderLayerImpl*>(&m) != nullptr;
-        }));
+  apply_ac(d, cfg);
+  return d;
+}
+
+ShardedDecoder shard_moe_decoder(const models::MoEDecoder& plain, const TrainConfig& cfg,
+                                 const fsdp::DeviceMesh& mesh) {
+  // Every rank sees different data: the dense weights are sharded over all
+  // of them, and the experts' gradients, already summed over ep by the
+  // all-to-all's backward, are divided by all of them too (moe.h).
+  const fsdp::FullyShardOptions dense = shard_options(cfg, mesh.flatten("shard"));
+  models::MoEDecoder net(moe_decoder_config(cfg), models::MoEForm::Library, mesh["ep"]);
+  net->load_full(*plain);
+  ShardedDecoder d;
+  d.net = net.ptr();
+  for (int64_t i = 0; i < cfg.layers; ++i) {
+    const auto j = static_cast<size_t>(i / 2);
+    const std::string prefix = fmt::format("layer{}.", i);
+    if (net->config.is_moe(i)) {
+      const auto& layer = net->moe_layers[j].holder();
+      d.units.emplace_back(prefix, fsdp::fully_shard(layer, fsdp::moe::expert_options(
+                                                                *layer.ptr(), dense, mesh["efsdp"],
+                                                                static_cast<double>(cfg.dp_size))));
+    } else {
+      d.units.emplace_back(prefix, fsdp::fully_shard(net->dense_layers[j].holder(), dense));
+    }
   }
+  // The root holds the embedding (tied output) and the final norm only.
+  fsdp::Sharded<models::MoEDecoder> root = fsdp::fully_shard(net, dense);
+  d.units.emplace_back("", *fsdp::fsdp_module_of(*net));
+  d.loss = [root](const at::Tensor& tokens) mutable {
+    return lm_loss_of(root(inputs_of(tokens)), tokens);
+  };
+  d.expert_counts = [net] { return net->last_counts(); };
+  apply_ac(d, cfg);
   return d;
 }
 

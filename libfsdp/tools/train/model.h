@@ -1,7 +1,9 @@
 // The job's model: the byte-level models::Decoder -- or with --tp its
 // tensor-parallel form models::TPDecoder, which has the same parameter names
-// and, gathered, the same values -- sharded per decoder layer and then at
-// the root (embedding, tied output and final norm), with optional
+// and, gathered, the same values; with --moe models::MoEDecoder's library
+// form on the (efsdp, ep) mesh, loaded from its plain form -- sharded per
+// decoder layer and then at the root (embedding, tied output and final
+// norm), with optional
 // activation checkpointing of the layers, and the training step shared by
 // the sharded run and the single-process --verify run.
 #pragma once
@@ -10,6 +12,7 @@
 
 #include <fsdp/fully_shard.h>
 #include <models/llm.h>
+#include <models/moe_llm.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adamw.h>
@@ -28,7 +31,12 @@ models::DecoderConfig decoder_config(const TrainConfig& cfg);
 // identical on every rank and in the --verify run.
 models::Decoder build_decoder(const TrainConfig& cfg);
 
-int64_t parameter_count(const models::Decoder& net);
+// With --moe: the plain single-card MoE decoder (models::MoEForm::Plain)
+// with the job's initial weights, likewise identical everywhere.
+models::MoEDecoderConfig moe_decoder_config(const TrainConfig& cfg);
+models::MoEDecoder build_moe_decoder(const TrainConfig& cfg);
+
+int64_t parameter_count(const torch::nn::Module& net);
 
 struct Pipeline;  // pipeline.h
 
@@ -46,6 +54,9 @@ struct ShardedDecoder {
   std::vector<std::pair<std::string, fsdp::FSDPModule>> units;
   // With --pp: the stages and their schedule.
   std::shared_ptr<Pipeline> pipeline;
+  // With --moe: per MoE layer, the (token, k) pairs this rank routed to each
+  // expert in the last forward ([experts] int64).
+  std::function<std::vector<at::Tensor>()> expert_counts;
 };
 
 // FSDP's options on `mesh` (its dims "shard", and "replicate" for HSDP;
@@ -63,6 +74,14 @@ at::Tensor targets_of(const at::Tensor& tokens);
 // the flag.
 ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
                              const fsdp::DeviceMesh& mesh);
+
+// With --moe, on `mesh` (efsdp, ep): the library form of `plain` (its
+// experts split over ep), each dense layer and the root sharded over the
+// flattened mesh, each MoE layer with fsdp::moe::expert_options (experts
+// on efsdp, gradients divided by the whole data-parallel size); --ac marks
+// both kinds of layer.
+ShardedDecoder shard_moe_decoder(const models::MoEDecoder& plain, const TrainConfig& cfg,
+                                 const fsdp::DeviceMesh& mesh);
 
 // This rank's parameter shards by full name ("layer0.attn.qkv.weight"), from
 // the units' sharded state dicts (FSDPModule::state_dict -> to_local: with

@@ -111,15 +111,19 @@ bool Progress::should_log(int64_t step) const {
 double Progress::mean_step_seconds() const { return done_ > 0 ? total_ / done_ : 0.0; }
 
 std::string Progress::line(int64_t step, double loss, const MemoryPeak& mem,
-                           std::optional<double> bubble) const {
+                           std::optional<double> bubble, const std::vector<double>& load) const {
   const double tok_s = last_ > 0 ? static_cast<double>(tokens_per_step_) / last_ : 0.0;
   const double eta = mean_step_seconds() * static_cast<double>(total_steps_ - step);
   const int width = static_cast<int>(std::to_string(total_steps_).size());
+  std::string balance;
+  for (const double l : load) balance += fmt::format(" {:.2f}", l);
   return fmt::format("step {:>{}}/{}  loss {:.4f}  tok/s {:.0f}  {}mem/rank peak {:.0f} MiB (max) "
-                     "{:.0f} MiB (min)  ETA {}",
+                     "{:.0f} MiB (min)  {}ETA {}",
                      step, width, total_steps_, loss, tok_s,
                      bubble ? fmt::format("bubble {:.3f}  ", *bubble) : std::string(),
-                     mem.max_mib, mem.min_mib, format_duration(eta));
+                     mem.max_mib, mem.min_mib,
+                     balance.empty() ? std::string() : "load max/mean" + balance + "  ",
+                     format_duration(eta));
 }
 
 }  // namespace fsdp_train

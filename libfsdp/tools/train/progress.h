@@ -7,7 +7,10 @@
 // rank 0; the ETA is the mean step time of this process times the steps left.
 // With --pp the line also shows the step's pipeline bubble after tok/s
 // ("bubble 0.333": fsdp::pp::bubble_fraction, the idle share of the slowest
-// rank's schedule step).
+// rank's schedule step). With --moe it shows the expert load balance after
+// the memory ("load max/mean 1.21 1.08": per MoE layer, the largest number
+// of (token, k) pairs routed to one expert over the global batch, divided by
+// the mean over the experts; 1 = balanced).
 #pragma once
 
 #include <cstdint>
@@ -64,7 +67,8 @@ class Progress {
   // Whether `step` gets a progress line.
   bool should_log(int64_t step) const;
   std::string line(int64_t step, double loss, const MemoryPeak& mem,
-                   std::optional<double> bubble = std::nullopt) const;
+                   std::optional<double> bubble = std::nullopt,
+                   const std::vector<double>& load = {}) const;
   double mean_step_seconds() const;
   double total_seconds() const { return total_; }
   int64_t steps_done() const { return done_; }

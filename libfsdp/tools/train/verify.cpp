@@ -16,15 +16,19 @@
 
 namespace fsdp_train {
 
-Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
-                        const std::function<void(const LossRow&)>& on_step) {
-  models::Decoder master = build_decoder(cfg);
+namespace {
+
+// Net: models::Decoder or (--moe) models::MoEDecoder, plain; `config` builds
+// the bf16 compute copy.
+template <typename Net, typename Config>
+Reference run_steps(Net master, const Config& config, const TrainConfig& cfg,
+                    const Corpus& corpus, const std::function<void(const LossRow&)>& on_step) {
   auto opt = make_optimizer(*master, cfg);
   const auto params = master->parameters();
   // fp32: the master computes; bf16: a bf16 copy computes, the master steps.
-  models::Decoder compute = master;
+  Net compute = master;
   if (cfg.bf16()) {
-    compute = models::Decoder(decoder_config(cfg));
+    compute = Net(config);
     compute->to(at::kBFloat16);
   }
   const auto compute_params = compute->parameters();
@@ -92,6 +96,16 @@ Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
   }
   ref.adam_eps = static_cast<const torch::optim::AdamWOptions&>(opt.defaults()).eps();
   return ref;
+}
+
+}  // namespace
+
+Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
+                        const std::function<void(const LossRow&)>& on_step) {
+  if (cfg.moe) {
+    return run_steps(build_moe_decoder(cfg), moe_decoder_config(cfg), cfg, corpus, on_step);
+  }
+  return run_steps(build_decoder(cfg), decoder_config(cfg), cfg, corpus, on_step);
 }
 
 Comparison compare_losses(const std::vector<LossRow>& sharded, const std::vector<LossRow>& single) {
