@@ -967,7 +967,8 @@ int run(const Options& o, const fsdp::Runtime& rt) {
     for (size_t i = 0; i < n; ++i) {
       if (!is_ep(specs[i])) continue;
       const double ms = stats[i].median_us / 1e3;
-      report.summary("step_ratio_ep_vs_ddp", ddp ? nlohmann::json(ms / ddp_ms) : nullptr,
+      report.summary("step_ratio_ep_vs_ddp",
+                     ddp ? nlohmann::json(ms / ddp_ms) : nlohmann::json(nullptr),
                      fmt::format("{} {:.1f} ms{}, loss {:.6f} (the MoE decoder; {} all-to-alls "
                                  "per step)",
                                  specs[i].key, ms,

@@ -1,14 +1,17 @@
 // fsdp-train: trains a byte-level decoder LM (models::Decoder: vocab 256,
 // hidden 256, 4 heads, 4 layers, tied output) on the embedded corpus with
 // fully_shard per decoder layer and at the root, on every rank of the job,
-// optionally tensor-parallel (models::TPDecoder) on a (dp..., tp) mesh, or
-// pipeline-parallel (models::DecoderStage, fsdp::pp) on a (pp, dp...) mesh:
+// optionally tensor-parallel (models::TPDecoder) on a (dp..., tp) mesh,
+// pipeline-parallel (models::DecoderStage, fsdp::pp) on a (pp, dp...) mesh,
+// or a mixture of experts (models::MoEDecoder, fsdp::moe) with its experts
+// on an (efsdp, ep) mesh:
 //
 //   mpiexec -n 2 fsdp-train [--mesh 2 | --mesh 2x2] [--tp 2 [--sequence-parallel]
 //                           [--loss-parallel]] [--mp fp32|bf16] [--ac none|all|every-2]
 //                           [--steps 100] [--batch 8] [--seq 128] [--resume] [--verify] ...
 //   mpiexec -n 4 fsdp-train --pp 2 [--schedule gpipe|1f1b|interleaved] [--microbatches 4]
 //                           [--stages-per-rank 2] [--layers 4] ...
+//   mpiexec -n 4 fsdp-train --moe [--experts 4] [--top-k 2] [--ep 2] ...
 //
 // Rank 0 prints one progress line per step (progress.h), writes
 // <out>/loss.csv and <out>/loss.png, and every rank writes its shards of the
@@ -439,7 +442,8 @@ int run(int argc, char** argv) {
   fsdp::Runtime rt(&argc, &argv, options);
   CLI::App app{
       "fsdp-train: trains a byte-level decoder LM with fully_shard (per layer + root) on every "
-      "rank of the job, optionally tensor-parallel (--tp); run under mpiexec"};
+      "rank of the job, optionally tensor-parallel (--tp), pipeline-parallel (--pp) or a "
+      "mixture of experts (--moe, experts split over --ep); run under mpiexec"};
   TrainConfig cfg;
   add_flags(app, cfg);
   try {

@@ -156,12 +156,12 @@ ShardedDecoder shard_moe_decoder(const models::MoEDecoder& plain, const TrainCon
     const auto j = static_cast<size_t>(i / 2);
     const std::string prefix = fmt::format("layer{}.", i);
     if (net->config.is_moe(i)) {
-      const auto& layer = net->moe_layers[j].holder();
+      const auto& layer = net->moe_layers[j];
       d.units.emplace_back(prefix, fsdp::fully_shard(layer, fsdp::moe::expert_options(
                                                                 *layer.ptr(), dense, mesh["efsdp"],
                                                                 static_cast<double>(cfg.dp_size))));
     } else {
-      d.units.emplace_back(prefix, fsdp::fully_shard(net->dense_layers[j].holder(), dense));
+      d.units.emplace_back(prefix, fsdp::fully_shard(net->dense_layers[j], dense));
     }
   }
   // The root holds the embedding (tied output) and the final norm only.
