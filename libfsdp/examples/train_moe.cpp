@@ -8,6 +8,7 @@
 #include <fsdp/fsdp.h>
 
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/init.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/optim/adamw.h>
 
@@ -18,6 +19,7 @@ constexpr int64_t kVocab = 64, kHidden = 32, kSeq = 8, kExperts = 4, kTopK = 2;
 struct LmImpl : torch::nn::Module {
   LmImpl(const fsdp::DeviceMesh& ep, const fsdp::moe::RouterOptions& router) {
     embed = register_module("embed", torch::nn::Embedding(kVocab, kHidden));
+    torch::nn::init::normal_(embed->weight, 0, 0.02);  // GPT-style: N(0, 1) would start at loss ~30
     moe = register_module("moe", fsdp::moe::MoE(kHidden, /*ffn=*/2 * kHidden, kExperts, kTopK,
                                                 ep, router));
   }
