@@ -206,12 +206,14 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
     std::cout << fmt::format(
                      "fsdp-train: {} ranks, mesh {}, mp {}, reshard-after-forward {}, ac {} | "
                      "model {:.2f}M params (byte {}decoder: vocab {}, hidden {}, heads {}, layers "
-                     "{}{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per {}) | "
+                     "{}{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per "
+                     "{}) | "
                      "data {} ({} bytes) | {} steps, AdamW lr {} wd 0, clip {}, seed {} | {} "
                      "thread(s)/rank, LibTorch {}, BLAS {}",
                      world, cfg.mesh_string(), cfg.mp, reshard, cfg.ac, n_params / 1e6,
                      cfg.moe ? "MoE " : "", cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, experts,
-                     decoder_config(cfg).ffn_dim(), cfg.batch, cfg.seq, tokens_per_step, cfg.local_batch(),
+                     decoder_config(cfg).ffn_dim(), cfg.batch, cfg.seq, tokens_per_step,
+                     cfg.local_batch(),
                      cfg.pipelined() ? "pipeline" : "rank", cfg.data, corpus.size(), cfg.steps,
                      cfg.lr, cfg.clip, cfg.seed, at::get_num_threads(), TORCH_VERSION,
                      rt.blas_library())
