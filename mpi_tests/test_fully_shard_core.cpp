@@ -357,10 +357,12 @@ double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
 fsdp::Sharded<Net> shard_expert_net(Net& net, const fsdp::DeviceMesh& world,
                                     const fsdp::DeviceMesh& sparse, bool fused,
                                     std::optional<double> expert_divide_factor,
-                                    std::optional<std::string> shard_dim = std::nullopt) {
+                                    std::optional<std::string> shard_dim = std::nullopt,
+                                    std::optional<std::string> replicate_dim = std::nullopt) {
   fsdp::FullyShardOptions block_opts;
   block_opts.mesh = world;
   block_opts.shard_dim = shard_dim;
+  block_opts.replicate_dim = replicate_dim;
   block_opts.comm_fusion = fused;
   block_opts.shard_placement_fn =
       [sparse, expert_divide_factor](
@@ -372,6 +374,7 @@ fsdp::Sharded<Net> shard_expert_net(Net& net, const fsdp::DeviceMesh& world,
   fsdp::FullyShardOptions root_opts;
   root_opts.mesh = world;
   root_opts.shard_dim = shard_dim;
+  root_opts.replicate_dim = replicate_dim;
   root_opts.comm_fusion = fused;
   root_opts.reshard_after_forward = false;
   return fsdp::fully_shard(net, root_opts);
@@ -481,6 +484,38 @@ BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
   l1::Report report("core divide factor");
   report.check("dense grads (factor 4) vs single card", dense_err, 1e-5);
   report.check("expert grads (factor 8) vs half the single card", expert_err, 1e-5);
+  report.publish();
+}
+
+// The unit names both of FSDP's dims ("dense" and "replicate"); the experts'
+// (replicate, efsdp) mesh has the replicate name but not the shard dim's,
+// so its dims are positional (replicate, shard) -- no MeshError asking for
+// a shard dim that mesh cannot have.
+BOOST_AUTO_TEST_CASE(test_expert_mesh_without_the_units_shard_dim) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  if (ws != 4) SPMD_SKIP("needs 4 ranks (2-rank expert sub-meshes)");
+  const auto dev = spmd::device().type();
+  const auto world = fsdp::init_device_mesh(dev, {1, 4}, {"replicate", "dense"});
+  const auto sparse = fsdp::init_device_mesh(dev, {2, 2}, {"replicate", "efsdp"});
+  Net ref(7);
+  Net net(7);
+  ref->to(spmd::device());
+  net->to(spmd::device());
+  auto model = shard_expert_net(net, world, sparse, /*fused=*/false, std::nullopt, "dense",
+                                "replicate");
+  std::map<std::string, std::pair<int64_t, int64_t>> split;
+  for (const auto& item : net->named_parameters()) {
+    const bool expert = item.key().find("expert") != std::string::npos;
+    split[item.key()] =
+        expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
+               : std::make_pair<int64_t, int64_t>(4, rank);
+  }
+  const auto batch = toy::global_batch(70, 8, 6, 3);
+  const auto mine = toy::slice(batch, rank, ws);
+  toy::mse(model(mine.x.to(spmd::device())), mine.y.to(spmd::device())).backward();
+  toy::mse(ref(batch.x.to(spmd::device())), batch.y.to(spmd::device())).backward();
+  l1::Report report("core expert mesh without the unit's shard dim");
+  report.check("grads vs single card", worst_shard_err(*net, *ref, split, true), 1e-5);
   report.publish();
 }
 

@@ -76,8 +76,12 @@ FsdpDims fsdp_dims(const DeviceMesh& mesh, const FullyShardOptions& o, const cha
     throw MeshError("replicate_dim", "fully_shard: 'replicate_dim' = '" + *o.replicate_dim +
                                          "' is not a dim of " + mesh.to_string());
   }
+  // A per-parameter mesh (experts' (replicate, efsdp)) need not have the
+  // unit's shard dim: naming only its replicate dim then falls back to the
+  // positional default instead of asking for a shard dim it cannot have.
+  const bool by_name = named_shard || (named_rep && (strict || has_dim(mesh, "shard")));
   FsdpDims d;
-  if (named_shard || named_rep) {
+  if (by_name) {
     if (named_shard) {
       d.shard = mesh.dim_index(*o.shard_dim);
     } else if (has_dim(mesh, "shard")) {
