@@ -350,6 +350,20 @@ double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
   return worst;
 }
 
+// Which shard of each parameter a rank holds: (parts, index) of dim 0 --
+// experts over efsdp's 2 ranks, the rest over all 4.
+std::map<std::string, std::pair<int64_t, int64_t>> expert_split(torch::nn::Module& net,
+                                                                const fsdp::DeviceMesh& sparse,
+                                                                int rank) {
+  std::map<std::string, std::pair<int64_t, int64_t>> split;
+  for (const auto& item : net.named_parameters()) {
+    const bool expert = item.key().find("expert") != std::string::npos;
+    split[item.key()] = expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
+                               : std::make_pair<int64_t, int64_t>(4, rank);
+  }
+  return split;
+}
+
 // The block's expert weights on `sparse` (HSDP over (ep, efsdp), optionally
 // with their own divide factor), its dense weights and the root (kept
 // unsharded between forward and backward) on `world`.
@@ -403,13 +417,7 @@ BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
       net->to(spmd::device());
       auto model = shard_expert_net(net, world, sparse, fused, std::nullopt);
 
-      std::map<std::string, std::pair<int64_t, int64_t>> split;
-      for (const auto& item : net->named_parameters()) {
-        const bool expert = item.key().find("expert") != std::string::npos;
-        split[item.key()] =
-            expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
-                   : std::make_pair<int64_t, int64_t>(4, rank);
-      }
+      const auto split = expert_split(*net, sparse, rank);
       torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
       torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
       l1::Report report(std::string("core several groups") + (fused ? " fused" : ""));
@@ -503,13 +511,7 @@ BOOST_AUTO_TEST_CASE(test_expert_mesh_without_the_units_shard_dim) {
   net->to(spmd::device());
   auto model = shard_expert_net(net, world, sparse, /*fused=*/false, std::nullopt, "dense",
                                 "replicate");
-  std::map<std::string, std::pair<int64_t, int64_t>> split;
-  for (const auto& item : net->named_parameters()) {
-    const bool expert = item.key().find("expert") != std::string::npos;
-    split[item.key()] =
-        expert ? std::make_pair<int64_t, int64_t>(2, sparse.get_local_rank("efsdp"))
-               : std::make_pair<int64_t, int64_t>(4, rank);
-  }
+  const auto split = expert_split(*net, sparse, rank);
   const auto batch = toy::global_batch(70, 8, 6, 3);
   const auto mine = toy::slice(batch, rank, ws);
   toy::mse(model(mine.x.to(spmd::device())), mine.y.to(spmd::device())).backward();

@@ -115,6 +115,7 @@ struct DispatchPlan {
   std::vector<int64_t> in_splits, out_splits;  // rows to / from each ep rank
   at::Tensor received;          // [ep, E_local] int64: rows from rank r for local expert j
   at::Tensor permute_idx;       // received rows (rank-major) in expert-major order
+  at::Tensor unpermute_idx;     // its inverse: expert-major rows back to rank-major
   std::vector<int64_t> local_counts;  // rows per local expert (expert-major blocks)
 };
 

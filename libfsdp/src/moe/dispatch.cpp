@@ -98,8 +98,8 @@ std::pair<at::Tensor, DispatchPlan> TokenDispatcher::dispatch(const at::Tensor& 
                                 std::string(c10::toString(ids.scalar_type())) + " " +
                                 std::string(c10::str(ids.sizes())));
   }
-  if (ids.numel() > 0 && (ids.min().item<int64_t>() < 0 ||
-                          ids.max().item<int64_t>() >= num_experts_)) {
+  const auto [lo, hi] = ids.numel() > 0 ? at::aminmax(ids) : std::tuple<at::Tensor, at::Tensor>{};
+  if (ids.numel() > 0 && (lo.item<int64_t>() < 0 || hi.item<int64_t>() >= num_experts_)) {
     throw ArgumentError("ids", "TokenDispatcher::dispatch: 'ids' holds an expert id outside [0, " +
                                    std::to_string(num_experts_) + ")");
   }
@@ -151,7 +151,11 @@ std::pair<at::Tensor, DispatchPlan> TokenDispatcher::dispatch(const at::Tensor& 
       plan.local_counts[static_cast<size_t>(j)] += m[i][j];
     }
   }
+  // The inverse is built here, on the host, so combine needs no copy back.
+  std::vector<int64_t> inverse(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) inverse[static_cast<size_t>(perm[i])] = static_cast<int64_t>(i);
   plan.permute_idx = index_tensor(perm, x.device());
+  plan.unpermute_idx = index_tensor(inverse, x.device());
   return {got.index_select(0, plan.permute_idx), std::move(plan)};
 }
 
@@ -167,12 +171,8 @@ at::Tensor TokenDispatcher::combine(const at::Tensor& y, const at::Tensor& weigh
   at::Tensor sorted = y;
   if (ep_size() > 1) {
     // Undo the expert-major permutation, then send each row back.
-    std::vector<int64_t> inverse(static_cast<size_t>(plan.permute_idx.numel()));
-    const at::Tensor p = plan.permute_idx.cpu();
-    const int64_t* pp = p.data_ptr<int64_t>();
-    for (size_t i = 0; i < inverse.size(); ++i) inverse[static_cast<size_t>(pp[i])] = static_cast<int64_t>(i);
-    sorted = all_to_all(y.index_select(0, index_tensor(inverse, y.device())), plan.in_splits,
-                        plan.out_splits, *ep_);
+    sorted = all_to_all(y.index_select(0, plan.unpermute_idx), plan.in_splits, plan.out_splits,
+                        *ep_);
   }
   if (sorted.dim() != 2 || sorted.size(0) != n) {
     throw ShapeError("y", "TokenDispatcher::combine: 'y' does not hold the rows dispatch() "
