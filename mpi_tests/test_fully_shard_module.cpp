@@ -15,9 +15,9 @@
 #include <fsdp/errors.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
+#include <fsdp/optim_state.h>
 
 #include <ATen/ATen.h>
-#include <c10/util/string_utils.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -440,7 +440,7 @@ BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce) {  // L1-02
 // ============================================================================
 namespace {
 torch::optim::AdamParamState* adam_state(torch::optim::Adam& opt, const at::Tensor& p) {
-  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto it = opt.state().find(fsdp::optimizer_state_key(opt, p));
   if (it == opt.state().end()) return nullptr;
   return static_cast<torch::optim::AdamParamState*>(it->second.get());
 }

@@ -9,6 +9,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
 #include "fsdp/moe.h"
+#include "fsdp/optim_state.h"
 #include "fsdp/parallel_module.h"
 #include "fsdp/runtime.h"
 #include "fsdp/pipeline.h"

@@ -7,6 +7,7 @@
 #include "comm/process_group.h"
 #include "runtime/torch_compat.h"
 
+#include <ATen/Context.h>
 #include <torch/cuda.h>
 
 #include <dlfcn.h>
@@ -57,8 +58,9 @@ std::string loaded_blas_library() {
   Dl_info info{};
   if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr) return "unknown";
   char resolved[PATH_MAX];
-  if (realpath(info.dli_fname, resolved) != nullptr) return resolved;
-  return info.dli_fname;
+  const std::string path = realpath(info.dli_fname, resolved) != nullptr ? resolved : info.dli_fname;
+  // pip's and the official LibTorch link MKL into libtorch_cpu itself.
+  return at::hasMKL() ? "MKL in " + path : path;
 }
 
 Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
@@ -121,8 +123,8 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
     std::cerr << "[libfsdp] LibTorch " << compat::torch_version() << ", " << world_size_
               << " rank(s), " << local_size_ << " per node, " << num_threads_
               << " thread(s) per rank, device " << device_.str() << ", BLAS " << blas_library_
-              << (blas_library_.find("openblas") == std::string::npos
-                      ? " (not OpenBLAS: GEMMs may be ~14x slower; install libopenblas0-pthread)"
+              << (blas_library_.find("openblas") == std::string::npos && !at::hasMKL()
+                      ? " (not OpenBLAS or MKL: GEMMs may be ~14x slower; install libopenblas0-pthread)"
                       : "")
               << std::endl;
   }

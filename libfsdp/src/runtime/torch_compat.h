@@ -96,8 +96,33 @@ inline void restore_storage(const at::Tensor& t, size_t nbytes) { resize_storage
 #include <torch/csrc/autograd/function.h>
 
 #include <mutex>
+#include <memory>
+#include <type_traits>
+#include <utility>
 
 namespace fsdp::compat {
+
+// Autograd nodes are owned by std::shared_ptr up to some 2.x release and by
+// c10::intrusive_ptr after it (Node then derives from intrusive_ptr_target).
+// Deciding by the type, not a version number, keeps this right for releases
+// between the two we build against.
+inline constexpr bool kIntrusiveNodes =
+    std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>;
+
+template <class T>
+using NodeRef = std::conditional_t<kIntrusiveNodes, c10::intrusive_ptr<T>, std::shared_ptr<T>>;
+
+// The owning pointer type Edge and grad_accumulator() hand out.
+using NodePtr = NodeRef<torch::autograd::Node>;
+
+template <class T, class... Args>
+NodeRef<T> make_node(Args&&... args) {
+  if constexpr (kIntrusiveNodes) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  }
+}
 
 // The default generator's state on `device` (CPU, or one CUDA device). Both
 // 1.13 and 2.x reach the CUDA generator through the context's hooks, so this

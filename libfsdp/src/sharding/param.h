@@ -5,6 +5,7 @@
 #include "fsdp/comm.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
+#include "runtime/torch_compat.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
@@ -143,7 +144,7 @@ class ShardedParam {
   at::Tensor full_;             // the full parameter (view of unsharded_buf_)
   bool unsharded_ = false;
 
-  std::shared_ptr<torch::autograd::Node> hooked_accumulator_;  // strong: the param holds it weakly
+  compat::NodePtr hooked_accumulator_;  // strong: the param holds it weakly
   at::Tensor pass_grad_;         // this pass's full gradient, reduce dtype
   at::Tensor accumulated_grad_;  // earlier unsynchronised passes, reduce dtype
   at::Tensor stashed_grad_;      // sharded grad while the param is unsharded

@@ -307,9 +307,9 @@ at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor
   if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type())) {
     return out;  // not differentiable: nothing to recompute for
   }
-  auto node = std::make_shared<CheckpointNode>(fn, options, std::move(saved),
-                                               reentrant ? std::vector<at::Tensor>{} : grad_params,
-                                               std::move(rng));
+  auto node = compat::make_node<CheckpointNode>(
+      fn, options, std::move(saved), reentrant ? std::vector<at::Tensor>{} : grad_params,
+      std::move(rng));
   node->set_next_edges(std::move(edges));
   // A fresh Variable: fn may have returned one of its inputs (or a parameter)
   // itself, whose own history must stay as it is.

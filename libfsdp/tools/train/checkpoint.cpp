@@ -3,9 +3,10 @@
 #include "config.h"
 
 #include <ATen/ops/empty.h>
+#include <fsdp/optim_state.h>
 #include <H5Cpp.h>
-#include <c10/util/C++17.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
 #include <mpi.h>
 
 #include <filesystem>
@@ -96,8 +97,6 @@ int64_t read_int(const H5::Group& g, const std::string& name) {
   return v;
 }
 
-std::string optim_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
 void write_rank_file(const std::string& path, int64_t step, const nlohmann::json& numerics,
                      const std::vector<std::pair<std::string, at::Tensor>>& shards,
                      torch::optim::AdamW& opt, int rank, int world) {
@@ -118,7 +117,7 @@ void write_rank_file(const std::string& path, int64_t step, const nlohmann::json
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& [name, shard] = shards[i];
     write_tensor(pg, name, shard);
-    auto it = state.find(optim_key(params[i]));
+    auto it = state.find(fsdp::optimizer_state_key(opt, params[i]));
     if (it == state.end()) continue;  // never stepped
     auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
     H5::Group g = og.createGroup(name);
@@ -270,7 +269,7 @@ void load_optimizer_state(const LoadedCheckpoint& ckpt, const std::vector<std::s
     state->step(s.step);
     state->exp_avg(s.exp_avg.clone());
     state->exp_avg_sq(s.exp_avg_sq.clone());
-    opt.state()[optim_key(params[i])] = std::move(state);
+    opt.state()[fsdp::optimizer_state_key(opt, params[i])] = std::move(state);
   }
   agree(error.empty(), error, "--resume: cannot load the optimizer state from " + ckpt.dir);
 }

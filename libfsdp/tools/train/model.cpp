@@ -9,6 +9,7 @@
 #include <models/tp_llm.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
 
 #include <map>
 
