@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The LibTorch 2.x leg of CI: pip's CUDA LibTorch (ci/pip-torch.sh, in a virtual
+# environment under the build tree), the NCCL backend built and linked against
+# it, and the L0, L1 and L2 suites run on CPU tensors (the CUDA wheel runs
+# without a GPU). Every L0-L2 executable is the one its gpu2/gpu4 entry runs,
+# so linking them is the CUDA link check.
+#
+#   ci/test-torch2.sh                 # build in ${TORCH2_BUILD_DIR:-build-torch2}
+#
+# Env: FSDP_PIP_TORCH (torch version, default in ci/pip-torch.sh),
+# FSDP_WITH_NCCL (ON; AUTO or OFF for a machine without the CUDA toolkit),
+# TORCH2_LEVELS (ctest label regex, default ^L[012]$). Extra arguments go to ctest.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${TORCH2_BUILD_DIR:-$root/build-torch2}"
+levels="${TORCH2_LEVELS:-^L[012]\$}"
+start=$SECONDS
+
+"$root/ci/install-deps.sh"
+prefix="$("$root/ci/pip-torch.sh" "$build/venv" | tail -n 1)"
+site="$(dirname "$(dirname "$(dirname "$prefix")")")"
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+export NCCL_HOME="$site/nvidia/nccl"
+echo "ci/test-torch2.sh: LibTorch from $prefix ($((SECONDS - start)) s)"
+
+# -O2 without -g: the Debian leg's optimisation (GCC 12's -O3 raises a false
+# -Wstringop-overflow in std::string), and -g would make the precompiled header 0.7 GB.
+cmake -S "$root" -B "$build/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+  -DFSDP_WARNINGS_AS_ERRORS=ON -DFSDP_WITH_NCCL="${FSDP_WITH_NCCL:-ON}" -DFSDP_BUILD_TOOLS=OFF
+
+cd "$build/build"
+# The executables behind the chosen labels: <exe>_np<n> / <exe>_gpu<n>.
+mapfile -t targets < <(ctest -N -L "$levels" | sed -n 's/^ *Test *#[0-9]*: \(.*\)_\(np\|gpu\)[0-9]*$/\1/p' | sort -u)
+if [ ${#targets[@]} -eq 0 ]; then
+  echo "ci/test-torch2.sh: no tests carry a label matching $levels" >&2
+  exit 1
+fi
+cmake --build . -j "$(nproc)" --target "${targets[@]}"
+echo "ci/test-torch2.sh: built ${#targets[@]} suites ($((SECONDS - start)) s)"
+gpu=$(ctest -N -L "$levels" -L 'gpu[24]' | sed -n 's/^Total Tests: //p')
+echo "ci/test-torch2.sh: ${gpu:-0} gpu2/gpu4 entries link against NCCL (not run: no GPU here)"
+
+status=0
+ctest -L "$levels" -L cpu --output-on-failure --no-tests=error "$@" || status=$?
+echo "ci/test-torch2.sh: LibTorch $(sed -n 's/^Torch_DIR.*//p' CMakeCache.txt)$("$build/venv/bin/python" -m pip show torch | sed -n 's/^Version: //p') leg done in $((SECONDS - start)) s"
+exit "$status"
