@@ -112,7 +112,9 @@ fetch_and_unpack "${seed[@]}"
 mca="$prefix/$arch_dir/openmpi/lib/openmpi3"
 rm -f "$mca"/mca_*_ucx.so "$mca"/mca_*_ofi.so "$mca"/mca_mtl_psm*.so "$mca"/mca_btl_openib.so \
       "$mca"/mca_spml_*.so "$mca"/mca_sshmem_*.so "$mca"/mca_memheap_*.so "$mca"/mca_scoll_*.so \
-      "$mca"/mca_atomic_*.so "$mca"/mca_reachable_netlink.so
+      "$mca"/mca_atomic_*.so "$mca"/mca_reachable_netlink.so "$mca"/mca_btl_uct.so "$mca"/mca_btl_usnic.so
+rm -f "$prefix/$arch_dir"/openmpi/lib/libmca_common_{ofi,ucx,verbs,psm}* \
+      "$prefix/$arch_dir"/libmca_common_{ofi,ucx,verbs,psm}*
 rm -f "$prefix/$arch_dir"/liboshmem.so* "$prefix/$arch_dir"/openmpi/lib/liboshmem.so* \
       "$prefix"/bin/osh* "$prefix"/bin/shmem*
 
@@ -156,10 +158,9 @@ rm -f "$stubs"/*.c "$stubs"/*.map
 patchelf="${PATCHELF:-$(command -v patchelf || true)}"
 if [ -z "$patchelf" ]; then
   pe="$debs/patchelf-x"
-  fetch_and_unpack patchelf
+  (cd "$debs" && apt-get download -qq patchelf 2>&1 | grep -v 'unsandboxed' || true)
   rm -rf "$pe"; mkdir -p "$pe"
   dpkg -x "$(ls -t "$debs"/patchelf_*.deb | head -1)" "$pe"
-  rm -rf "$prefix/bin/patchelf" "$prefix/share/doc/patchelf"
   patchelf="$pe/usr/bin/patchelf"
 fi
 for lib in "$prefix/$arch_dir"/libhdf5_serial.so.103.*; do

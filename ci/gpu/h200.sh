@@ -217,6 +217,11 @@ cmake_args=(
   "-Dfmt_DIR=$bprefix/$arch_dir/cmake/fmt"
   ${cuda_bin:+"-DCUDAToolkit_ROOT=$(dirname "$cuda_bin")"}
 )
+# torch's own NCCL (pip ships only libnccl.so.2; a libnccl.so next to the CUDA
+# toolkit would otherwise win the search and mismatch torch's).
+if [ -n "$nccl_home" ]; then
+  cmake_args+=("-DNCCL_INCLUDE_DIR=$nccl_home/include" "-DNCCL_LIBRARY=$nccl_home/lib/libnccl.so.2")
+fi
 
 if [ "$dry" = 0 ] && [ "$ok_probe" = 0 ]; then
   say "probe: something required is MISSING (above); trying anyway"
