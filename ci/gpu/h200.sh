@@ -277,18 +277,22 @@ record bench SKIP 0 "fsdp-bench train has no device option"
 
 # ---------------------------------------------------------------- summary
 total=$((SECONDS - t_start))
+summary_file="$out/summary.txt"
+if [ "$dry" = 1 ]; then summary_file="$(mktemp)"; fi
 {
   echo "libfsdp H200 run, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname 2>/dev/null), total ${total}s of ${budget}s"
   printf '%-10s %-5s %7s  %s\n' step status wall note
   if [ "$dry" = 1 ]; then printf '%s\n' "${rows[@]}"; else
     while IFS=$'\t' read -r s st t n; do printf '%-10s %-5s %6ss  %s\n' "$s" "$st" "$t" "$n"; done < "$out/summary.txt.rows"
   fi
-} > "${out_summary:=$( [ "$dry" = 1 ] && echo /dev/stdout || echo "$out/summary.txt")}"
+} > "$summary_file"
 if [ "$dry" = 0 ]; then
   rm -f "$out/summary.txt.rows"
   echo "fsdp-train --mp bf16 (np 1, CPU compute): ${tps:-no tok/s line}" >> "$out/summary.txt"
   grep -hE 'tests passed|tests failed' "$out/logs/gpu1.log" 2>/dev/null | sed 's/^/gpu1: /' >> "$out/summary.txt"
   echo; cat "$out/summary.txt"
   grep -qE '^(configure|build|gpu1|train) +FAIL' "$out/summary.txt" && exit 1
+else
+  cat "$summary_file"; rm -f "$summary_file"
 fi
 exit 0
