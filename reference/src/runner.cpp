@@ -142,9 +142,28 @@ at::Tensor gather_rows(const at::Tensor& local, const World& w) {
   return all;
 }
 
+// oneDNN chooses its kernels by the machine's instruction set (jit:avx2 on one
+// CPU, jit:avx512 on another) and LibTorch 1.13 sends CPU GELU and Conv2d to
+// it, so references made with it would differ bitwise between machines. A run
+// uses ATen's own kernels and the BLAS, whose kernels the tests pin
+// (OPENBLAS_CORETYPE, ATEN_CPU_CAPABILITY).
+class WithoutOneDnn {
+ public:
+  WithoutOneDnn() : was_(at::globalContext().userEnabledMkldnn()) {
+    at::globalContext().setUserEnabledMkldnn(false);
+  }
+  ~WithoutOneDnn() { at::globalContext().setUserEnabledMkldnn(was_); }
+  WithoutOneDnn(const WithoutOneDnn&) = delete;
+  WithoutOneDnn& operator=(const WithoutOneDnn&) = delete;
+
+ private:
+  bool was_;
+};
+
 }  // namespace
 
 RunRecord run(const Case& c, const RunSpec& spec) {
+  const WithoutOneDnn without_onednn;
   const World w = world_of(spec.layout);
   const int64_t tp = spec.layout == Layout::FSDP ? spec.tp.size : 1;
   const int64_t ep = spec.layout == Layout::FSDP ? spec.ep.size : 1;
