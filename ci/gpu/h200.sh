@@ -16,10 +16,10 @@
 #   gpu1       ctest -L gpu1: the suites that run at world size 1, on CUDA tensors
 #              with NCCL (FSDP_TEST_DEVICE=cuda), and the fp16 forms of L1-12 /
 #              L1-13 (test_fully_shard_precision_fp16_gpu1); JUnit per suite
-#   train      mpiexec -n 1 fsdp-train --mp bf16 (tokens/s). fsdp-train has no
-#              device flag: it builds its model and batches on the CPU, so this
-#              measures CPU compute on the H200's host (the mesh is CUDA-typed)
-#   bench      fsdp-bench train: SKIP, it has no device option (CPU meshes)
+#   train      mpiexec -n 1 fsdp-train --device cuda --mp bf16 (tokens/s)
+#   bench      mpiexec -n 1 fsdp-bench train --device cuda --configs
+#              single,fsdp,fsdp-no-reshard: the world-1 FSDP step against the
+#              plain LibTorch step on the same model (target <= 1.03x)
 # Writes $OUT/summary.txt (the table), $OUT/logs/<step>.log, $OUT/junit/*.xml,
 # $OUT/ctest-gpu1.xml, $OUT/reports/ (precision records), $OUT/env.txt.
 #
@@ -199,7 +199,7 @@ done
 [ "$dry" = 1 ] || printf '%s\n' "${env_vars[@]}" > "$out/env.txt"
 
 targets=(test_dtensor test_fully_shard_runtime test_fully_shard_module test_tensor_parallel
-         test_moe test_pipeline_schedule test_reference_store test_fully_shard_precision fsdp-train)
+         test_moe test_pipeline_schedule test_reference_store test_fully_shard_precision fsdp-train fsdp-bench)
 cmake_args=(
   -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release
   "-DCMAKE_PREFIX_PATH=$torch_prefix;$bprefix"
@@ -261,9 +261,9 @@ fi
 
 # ---------------------------------------------------------------- fsdp-train --mp bf16
 if [ "$built" = 1 ]; then
-  run_step train 90 "fsdp-train --mp bf16 at np 1 (no device flag: CPU compute)" \
+  run_step train 90 "fsdp-train --device cuda --mp bf16 at np 1" \
     "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/libfsdp/tools/train/fsdp-train" \
-    --mp bf16 --steps "$train_steps" --log-every 5 --out "$out/train"
+    --device cuda --mp bf16 --steps "$train_steps" --log-every 5 --out "$out/train"
   if [ "$dry" = 0 ]; then
     tps="$(grep -oE '[0-9]+ tok/s over the run' "$out/logs/train.log" | tail -1)"
     say "train: ${tps:-no tok/s line}"
@@ -272,8 +272,20 @@ else
   record train SKIP 0 "build failed"
 fi
 
-say "bench: SKIP: fsdp-bench train has no device option (its meshes are init_device_mesh(\"cpu\", ...))"
-record bench SKIP 0 "fsdp-bench train has no device option"
+# ---------------------------------------------------------------- world-1 FSDP vs plain step
+bench_rows=""
+if [ "$built" = 1 ]; then
+  run_step bench 90 "fsdp-bench train --device cuda at np 1: fsdp vs single (target <= 1.03x)" \
+    "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/libfsdp/tools/fsdp-bench" train \
+    --device cuda --configs single,fsdp,fsdp-no-reshard --warmup 3 --steps 10 \
+    --json "$out/bench-train.json"
+  if [ "$dry" = 0 ]; then
+    bench_rows="$(grep -E '^(# +config| +(single|fsdp|fsdp-no-reshard) )' "$out/logs/bench.log")"
+    printf '%s\n' "$bench_rows" | sed 's/^/  [bench] /'
+  fi
+else
+  record bench SKIP 0 "build failed"
+fi
 
 # ---------------------------------------------------------------- summary
 total=$((SECONDS - t_start))
@@ -288,10 +300,11 @@ if [ "$dry" = 1 ]; then summary_file="$(mktemp)"; fi
 } > "$summary_file"
 if [ "$dry" = 0 ]; then
   rm -f "$out/summary.txt.rows"
-  echo "fsdp-train --mp bf16 (np 1, CPU compute): ${tps:-no tok/s line}" >> "$out/summary.txt"
+  echo "fsdp-train --device cuda --mp bf16 (np 1): ${tps:-no tok/s line}" >> "$out/summary.txt"
+  [ -n "$bench_rows" ] && printf 'fsdp-bench train (np 1, cuda):\n%s\n' "$bench_rows" >> "$out/summary.txt"
   grep -hE 'tests passed|tests failed' "$out/logs/gpu1.log" 2>/dev/null | sed 's/^/gpu1: /' >> "$out/summary.txt"
   echo; cat "$out/summary.txt"
-  grep -qE '^(configure|build|gpu1|train) +FAIL' "$out/summary.txt" && exit 1
+  grep -qE '^(configure|build|gpu1|train|bench) +FAIL' "$out/summary.txt" && exit 1
 else
   cat "$summary_file"; rm -f "$summary_file"
 fi

@@ -35,6 +35,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 #include <torch/version.h>
 
@@ -175,6 +176,8 @@ struct Options {
   int ep = 0;  // likewise for the expert-parallel config
   std::vector<std::string> configs;
   std::string json_path;
+  std::string device = "cpu";  // cpu | cuda (single and fsdp* configs only)
+  c10::Device resolved_device{c10::kCPU};
 };
 
 enum class Kind { Single, Ddp, Fsdp, FsdpTp, FsdpPp, FsdpEp };
@@ -278,7 +281,7 @@ class Trainer {
  public:
   Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
           const Options& o, const std::optional<fsdp::DeviceMesh>& mesh, MPI_Comm comm)
-      : spec_(spec), account_(account), comm_(comm) {
+      : spec_(spec), account_(account), comm_(comm), device_(o.resolved_device) {
     MPI_Comm_size(comm, &world_);
     if (spec.kind != Kind::Single) {
       MPI_Comm_rank(comm, &data_rank_);
@@ -287,6 +290,7 @@ class Trainer {
     const CountingAllocator::Scope scope(account_);
     models::Decoder decoder(cfg);
     models::init_weights(*decoder, o.seed);
+    decoder->to(device_);
     fsdp::FullyShardOptions fo;
     fo.mesh = mesh;
     fo.shard_dim = "shard";
@@ -334,7 +338,7 @@ class Trainer {
   // This rank's share of a global batch: the whole of it for single, the
   // slice of its data-parallel coordinate otherwise.
   at::Tensor share(const at::Tensor& global) const {
-    return models::rank_slice(global, data_rank_, data_size_);
+    return models::rank_slice(global, data_rank_, data_size_).to(device_);
   }
 
   // One training step on `inputs` -> `targets` (this rank's share). With
@@ -343,7 +347,12 @@ class Trainer {
   void step(const at::Tensor& inputs, const at::Tensor& targets, bool record = false) {
     using Clock = std::chrono::steady_clock;
     const CountingAllocator::Scope scope(account_);
-    const auto t0 = Clock::now();
+    // On a GPU the phases end when their kernels do, not when they are queued.
+    const auto now = [this] {
+      if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+      return Clock::now();
+    };
+    const auto t0 = now();
     optimizer_->zero_grad();
     at::Tensor loss;
     std::optional<fsdp::pp::StepResult> pipelined;
@@ -355,14 +364,14 @@ class Trainer {
     } else {
       loss = loss_(inputs, targets);
     }
-    const auto t1 = Clock::now();
+    const auto t1 = now();
     if (!pipelined) loss.backward();
-    const auto t2 = Clock::now();
+    const auto t2 = now();
     if (spec_.kind == Kind::Ddp) all_reduce_gradients();
     if (tied_.defined()) models::sum_tied_gradients(tied_, pp_group_, tied_peer_);
-    const auto t3 = Clock::now();
+    const auto t3 = now();
     optimizer_->step();
-    const auto t4 = Clock::now();
+    const auto t4 = now();
     if (pipelined) {
       last_step_ = *pipelined;
       if (record) pipeline_steps_.push_back(*pipelined);
@@ -525,6 +534,7 @@ class Trainer {
   ConfigSpec spec_;
   int account_;
   MPI_Comm comm_;
+  c10::Device device_;
   int world_ = 1;
   int data_rank_ = 0, data_size_ = 1;
   std::string tp_group_;
@@ -585,7 +595,7 @@ Cell ratio_or_dash(double num, double den) {
   return num / den;
 }
 
-int run(const Options& o, const fsdp::Runtime& rt) {
+int run(Options o, const fsdp::Runtime& rt) {
   CountingAllocator& alloc = CountingAllocator::get();
   alloc.install();
   const int world = rt.world_size();
@@ -603,6 +613,31 @@ int run(const Options& o, const fsdp::Runtime& rt) {
         std::find(o.configs.begin(), o.configs.end(), s.key) != o.configs.end()) {
       specs.push_back(s);
     }
+  }
+  if (o.device == "cuda") {
+    // DDP's MPI_Allreduce and the TP, pipeline and expert-parallel configs
+    // build CPU meshes; on a GPU the run compares single with the fsdp ones.
+    auto cpu_only = [](const ConfigSpec& s) { return s.kind != Kind::Single && s.kind != Kind::Fsdp; };
+    std::vector<std::string> named;
+    for (const ConfigSpec& s : specs) {
+      if (cpu_only(s) && !o.configs.empty()) named.push_back(s.key);
+    }
+    std::string bad;
+    if (!rt.device().is_cuda()) {
+      bad = fmt::format("--device cuda: LibTorch {} sees no CUDA device here (a CPU build, or no "
+                        "GPU visible); accepted: cpu, cuda",
+                        TORCH_VERSION);
+    } else if (!named.empty()) {
+      bad = fmt::format("--configs {}: CPU only; with --device cuda: single, fsdp, "
+                        "fsdp-no-reshard, fsdp-fused",
+                        fmt::join(named, ","));
+    }
+    if (!bad.empty()) {
+      if (rank == 0) std::cerr << "fsdp-bench train: " << bad << '\n';
+      return 1;
+    }
+    specs.erase(std::remove_if(specs.begin(), specs.end(), cpu_only), specs.end());
+    o.resolved_device = rt.device();
   }
   const int tp = o.tp > 0 ? o.tp : 2;
   auto is_tp = [](const ConfigSpec& s) { return s.kind == Kind::FsdpTp; };
@@ -710,6 +745,8 @@ int run(const Options& o, const fsdp::Runtime& rt) {
               o.forward_prefetch ? "FSDP configs: explicit forward prefetch of the next unit"
                                  : "");
   add_runtime_meta(report, rt);
+  report.meta("tensor_device", o.resolved_device.str(),
+              fmt::format("models and batches on {} (--device)", o.resolved_device.str()));
   report.meta("tp", any_tp ? nlohmann::json(tp) : nlohmann::json(nullptr),
               any_tp ? fmt::format("fsdp-tp*: mesh (shard={}, tp={})", world / tp, tp)
                      : tp_skipped);
@@ -736,6 +773,11 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   report.note("held / peak = LibTorch CPU-allocator bytes owned by the config between steps / "
               "at the highest point of a step (max over timed steps and ranks; BLAS and MPI "
               "scratch not counted)");
+  if (o.resolved_device.is_cuda()) {
+    report.note(fmt::format("--device cuda: models, batches and meshes on {}; held / peak count "
+                            "host memory only; each phase ends with a device synchronize",
+                            o.resolved_device.str()));
+  }
   report.note("phases (median over steps of the slowest rank): fwd = zero_grad + forward + "
               "loss (FSDP: with its all-gather waits; TP: with its tp collectives), bwd = "
               "backward (FSDP: with its reduce-scatters), sync = DDP's all-reduce, optim = "
@@ -757,7 +799,7 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   std::optional<fsdp::DeviceMesh> mesh, tp_mesh;
   if (std::any_of(specs.begin(), specs.end(),
                   [](const ConfigSpec& s) { return s.kind == Kind::Fsdp; })) {
-    mesh = fsdp::init_device_mesh("cpu", {world}, {"shard"});
+    mesh = fsdp::init_device_mesh(o.resolved_device.type(), {world}, {"shard"});
   }
   if (any_tp) tp_mesh = fsdp::init_device_mesh("cpu", {world / tp, tp}, {"shard", "tp"});
   std::optional<fsdp::DeviceMesh> pp_mesh, pp_world, ep_mesh;
@@ -1072,6 +1114,11 @@ void add_train_command(CLI::App& app, Command& chosen) {
                   "experts); mesh (efsdp = ranks / ep, ep)")
       ->check(CLI::Range(1, 4096))
       ->default_str("2 if the world size is even, else that config is skipped");
+  sub->add_option("--device", o->device,
+                  "Where the models and batches live: cpu, or cuda (cuda:<local rank>; the "
+                  "single and fsdp* configs only)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   sub->add_option("--json", o->json_path,
                   "Write JSON: '--json' alone prints it to stdout instead of the table; "
                   "'--json FILE' keeps the table and writes FILE")

@@ -69,7 +69,7 @@ void write_tensor(H5::Group& g, const std::string& name, const at::Tensor& t) {
   if (t.scalar_type() != at::kFloat) {
     throw std::runtime_error("checkpoint: " + name + " is not float32");
   }
-  at::Tensor c = t.detach().contiguous();
+  at::Tensor c = t.detach().to(at::kCPU).contiguous();
   std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
   H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
   H5::DataSet ds = g.createDataSet(name, H5::PredType::IEEE_F32LE, space);
@@ -267,8 +267,8 @@ void load_optimizer_state(const LoadedCheckpoint& ckpt, const std::vector<std::s
     }
     auto state = std::make_unique<torch::optim::AdamWParamState>();
     state->step(s.step);
-    state->exp_avg(s.exp_avg.clone());
-    state->exp_avg_sq(s.exp_avg_sq.clone());
+    state->exp_avg(s.exp_avg.to(params[i].device(), /*non_blocking=*/false, /*copy=*/true));
+    state->exp_avg_sq(s.exp_avg_sq.to(params[i].device(), /*non_blocking=*/false, /*copy=*/true));
     opt.state()[fsdp::optimizer_state_key(opt, params[i])] = std::move(state);
   }
   agree(error.empty(), error, "--resume: cannot load the optimizer state from " + ckpt.dir);

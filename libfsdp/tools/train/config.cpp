@@ -204,6 +204,11 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                  "decoder layers (with --pp they must divide by the number of stages; with "
                  "--moe at least 2)")
       ->capture_default_str();
+  app.add_option("--device", cfg.device,
+                 "where parameters, activations and batches live: auto (cuda:<local rank> when "
+                 "LibTorch sees a GPU, else cpu), cpu, or cuda (an error without a GPU)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--mp", cfg.mp, "fp32, or bf16 (bf16 parameters/compute, fp32 gradient reduction)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();

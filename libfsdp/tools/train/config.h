@@ -41,6 +41,7 @@ struct TrainConfig {
   int64_t experts = 0;
   int64_t top_k = 0;
   int64_t ep = 0;
+  std::string device = "auto";  // auto | cpu | cuda
   std::string mp = "fp32";
   bool reshard_after_forward = true;
   bool reshard_after_forward_given = false;  // --reshard-after-forward on the command line

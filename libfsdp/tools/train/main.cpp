@@ -101,7 +101,7 @@ std::string abs_path(const std::string& p) {
 std::vector<double> expert_load(const std::vector<at::Tensor>& counts) {
   std::vector<double> out;
   for (const at::Tensor& c : counts) {
-    at::Tensor global = c.to(at::kLong).clone(at::MemoryFormat::Contiguous);  // not in place
+    at::Tensor global = c.to(at::kCPU, at::kLong).clone(at::MemoryFormat::Contiguous);
     MPI_Allreduce(MPI_IN_PLACE, global.data_ptr<int64_t>(), static_cast<int>(global.numel()),
                   MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     const double mean = static_cast<double>(global.sum().item<int64_t>()) / global.numel();
@@ -131,6 +131,18 @@ bool check_tied_copy(std::vector<std::pair<std::string, at::Tensor>>& params) {
                            ok ? "PASS" : "FAIL")
             << std::endl;
   return ok;
+}
+
+// --device: auto follows the runtime (cuda:<local rank> when LibTorch sees a
+// GPU, else cpu).
+c10::Device train_device(const fsdp::Runtime& rt, const TrainConfig& cfg) {
+  if (cfg.device == "cpu") return c10::Device(c10::kCPU);
+  if (cfg.device == "cuda" && !rt.device().is_cuda()) {
+    throw ConfigError(fmt::format("--device cuda: LibTorch {} sees no CUDA device here (a CPU "
+                                  "build, or no GPU visible); accepted: auto, cpu, cuda",
+                                  TORCH_VERSION));
+  }
+  return rt.device();
 }
 
 int train(fsdp::Runtime& rt, TrainConfig& cfg) {
@@ -163,17 +175,20 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
     shape = {cfg.efsdp(), cfg.ep};
     dims = {"efsdp", "ep"};
   }
-  const auto mesh = cfg.pipelined() ? pipeline_mesh(cfg, rt.device().type())
-                                    : fsdp::init_device_mesh(rt.device().type(), shape, dims);
+  const c10::Device device = train_device(rt, cfg);
+  const auto mesh = cfg.pipelined() ? pipeline_mesh(cfg, device.type())
+                                    : fsdp::init_device_mesh(device.type(), shape, dims);
   const int64_t dp_rank = (rank % (cfg.dp_size * cfg.tp)) / cfg.tp;
   int64_t n_params = 0;
   ShardedDecoder sharded;
   if (cfg.moe) {
-    const models::MoEDecoder plain = build_moe_decoder(cfg);
+    models::MoEDecoder plain = build_moe_decoder(cfg);
+    plain->to(device);
     n_params = parameter_count(*plain);
     sharded = shard_moe_decoder(plain, cfg, mesh);
   } else {
-    const models::Decoder plain = build_decoder(cfg);
+    models::Decoder plain = build_decoder(cfg);
+    plain->to(device);
     n_params = parameter_count(*plain);
     sharded = cfg.pipelined() ? shard_pipeline(plain, cfg, mesh) : shard_decoder(plain, cfg, mesh);
   }
@@ -204,13 +219,13 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
                               moe_decoder_config(cfg).expert_dim(), cfg.top_k)
                 : std::string();
     std::cout << fmt::format(
-                     "fsdp-train: {} ranks, mesh {}, mp {}, reshard-after-forward {}, ac {} | "
+                     "fsdp-train: {} ranks, mesh {}, device {}, mp {}, reshard-after-forward {}, ac {} | "
                      "model {:.2f}M params (byte {}decoder: vocab {}, hidden {}, heads {}, layers "
                      "{}{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per "
                      "{}) | "
                      "data {} ({} bytes) | {} steps, AdamW lr {} wd 0, clip {}, seed {} | {} "
                      "thread(s)/rank, LibTorch {}, BLAS {}",
-                     world, cfg.mesh_string(), cfg.mp, reshard, cfg.ac, n_params / 1e6,
+                     world, cfg.mesh_string(), device.str(), cfg.mp, reshard, cfg.ac, n_params / 1e6,
                      cfg.moe ? "MoE " : "", cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, experts,
                      decoder_config(cfg).ffn_dim(), cfg.batch, cfg.seq, tokens_per_step,
                      cfg.local_batch(),
@@ -249,7 +264,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   }
 
   nlohmann::json run = {{"flags",
-                         {{"mesh", cfg.mesh}, {"mp", cfg.mp},
+                         {{"mesh", cfg.mesh}, {"device", device.str()}, {"mp", cfg.mp},
                           {"tp", cfg.tp}, {"sequence_parallel", cfg.sequence_parallel},
                           {"loss_parallel", cfg.loss_parallel}, {"pp", cfg.pp},
                           {"schedule", cfg.schedule}, {"stages_per_rank", cfg.stages_per_rank},
@@ -274,8 +289,9 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const auto run_start = Clock::now();
   for (int64_t step = start + 1; step <= cfg.steps; ++step) {
     const auto t0 = Clock::now();
-    const at::Tensor tokens = local_slice(corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq),
-                                          dp_rank, cfg.dp_size);
+    const at::Tensor tokens =
+        local_slice(corpus.global_batch(cfg.seed, step, cfg.batch, cfg.seq), dp_rank, cfg.dp_size)
+            .to(device);
     double mean_loss = 0, norm = 0;
     std::optional<double> bubble;
     if (cfg.pipelined()) {

@@ -75,6 +75,12 @@ at::Tensor targets_of(const at::Tensor& tokens) { return tokens.narrow(1, 1, tok
 
 namespace {
 
+// The device of `net`'s parameters (--device put the plain model there).
+c10::Device device_of(const torch::nn::Module& net) {
+  const auto params = net.parameters();
+  return params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+}
+
 // Bottom-up: each layer, then the root unit (embedding, tied output, final
 // norm). Decoder: models::Decoder or models::TPDecoder.
 template <typename Decoder>
@@ -96,6 +102,7 @@ models::TPDecoder build_tp_decoder(const models::Decoder& net, const TrainConfig
     models::TPDecoder tp_net(decoder_config(cfg), tp,
                              models::TPOptions{cfg.sequence_parallel, cfg.loss_parallel});
     tp_net->load_full(*net);
+    tp_net->to(device_of(*net));
     return tp_net;
   } catch (const fsdp::ShapeError& e) {
     if (e.argument() == "seq") {
@@ -151,6 +158,7 @@ ShardedDecoder shard_moe_decoder(const models::MoEDecoder& plain, const TrainCon
   const fsdp::FullyShardOptions dense = shard_options(cfg, mesh.flatten("shard"));
   models::MoEDecoder net(moe_decoder_config(cfg), models::MoEForm::Library, mesh["ep"]);
   net->load_full(*plain);
+  net->to(device_of(*plain));
   ShardedDecoder d;
   d.net = net.ptr();
   for (int64_t i = 0; i < cfg.layers; ++i) {

@@ -144,7 +144,8 @@ ParamComparison compare_params(const std::vector<std::pair<std::string, at::Tens
       continue;
     }
     ++c.compared;
-    const at::Tensor diff = (t.to(at::kDouble) - want.to(at::kDouble)).abs();
+    // The reference ran on the CPU; the sharded run may be on a GPU.
+    const at::Tensor diff = (t.to(at::kCPU, at::kDouble) - want.to(at::kDouble)).abs();
     worse(diff.max().item<double>(), name);
     const at::Tensor keep = single.min_abs_grad[it->second] >= 100 * single.adam_eps;
     c.elements += diff.numel();
