@@ -35,9 +35,12 @@ fi
 prefix_path="$prefix"
 main_prefix_path="$(sed -n 's/^CMAKE_PREFIX_PATH:[A-Z]*=//p' "$build/CMakeCache.txt")"
 [ -z "$main_prefix_path" ] || prefix_path="$prefix_path;$main_prefix_path"
+# Likewise the NCCL the main build linked (the package's libfsdp::nccl).
+main_nccl="$(sed -n 's/^NCCL_LIBRARY:[A-Z]*=//p' "$build/CMakeCache.txt")"
 
 args=(-S "$src/examples/consumer" -B "$tmp/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo
       "-DCMAKE_PREFIX_PATH=$prefix_path")
+case "$main_nccl" in ""|*NOTFOUND) ;; *) args+=("-DNCCL_LIBRARY=$main_nccl") ;; esac
 [ -z "${CXX:-}" ] || args+=("-DCMAKE_CXX_COMPILER=$CXX")
 if [ -n "$ccache" ]; then
   args+=("-DCMAKE_CXX_COMPILER_LAUNCHER=$ccache")
