@@ -101,7 +101,7 @@ std::string abs_path(const std::string& p) {
 std::vector<double> expert_load(const std::vector<at::Tensor>& counts) {
   std::vector<double> out;
   for (const at::Tensor& c : counts) {
-    at::Tensor global = c.to(at::kCPU, at::kLong).clone(at::MemoryFormat::Contiguous);
+    at::Tensor global = c.to(at::kCPU, at::kLong).clone(at::MemoryFormat::Contiguous);  // not in place
     MPI_Allreduce(MPI_IN_PLACE, global.data_ptr<int64_t>(), static_cast<int>(global.numel()),
                   MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     const double mean = static_cast<double>(global.sum().item<int64_t>()) / global.numel();
