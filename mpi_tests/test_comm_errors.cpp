@@ -4,7 +4,8 @@
 // offending argument, and that what() names it the way the library's
 // messages do, in quotes ('output'). Every rank passes the same bad input,
 // so every rank throws before any communication. Afterwards the groups must
-// still work: a rejected call issues (and counts) nothing.
+// still work: a rejected call issues (and counts) nothing. The last cases
+// are failures at run time: a timed-out Work::wait and an MPI error.
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -15,9 +16,11 @@
 
 #include <boost/core/demangle.hpp>
 
+#include <chrono>
 #include <climits>
 #include <functional>
 #include <string>
+#include <thread>
 #include <typeinfo>
 #include <vector>
 
@@ -486,4 +489,67 @@ BOOST_AUTO_TEST_CASE(test_mesh_slice_bad_dim_names) {
                           [&] { mesh[std::vector<std::string>{"dp", "dp"}]; });
   expect_error<MeshError>("operator[]({}) (no names)", "dim_names",
                           [&] { mesh[std::vector<std::string>{}]; });
+}
+
+BOOST_AUTO_TEST_CASE(test_reduce_op_outside_enum_is_argument_error) {
+  for (const ProcessGroupPtr& group : test_groups()) {
+    ProcessGroup& g = *group;
+    const int n = g.size();
+    const auto bogus = static_cast<ReduceOp>(7);
+    BOOST_TEST_CONTEXT("group " << g.name()) {
+      expect_error<fsdp::ArgumentError>("all_reduce(ReduceOp 7)", "op",
+                                        [&] { g.all_reduce(at::ones({4}, opts()), bogus); });
+      expect_error<fsdp::ArgumentError>("reduce_scatter_tensor(ReduceOp 7)", "op", [&] {
+        g.reduce_scatter_tensor(at::zeros({4}, opts()), at::ones({4 * n}, opts()), bogus);
+      });
+    }
+    check_still_works(g);
+  }
+}
+
+// Work::wait(timeout): a rank that is late makes the others' bounded wait
+// throw TimeoutError naming the collective; the collective is still in
+// flight and completes, with the right value, once the late rank joins.
+BOOST_AUTO_TEST_CASE(test_wait_with_timeout) {
+  ProcessGroup& g = *test_groups().front();
+  at::Tensor t = at::full({4}, static_cast<float>(g.rank() + 1), opts());
+  if (g.rank() == g.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  fsdp::WorkPtr work = g.all_reduce(t, ReduceOp::SUM, /*async_op=*/true);
+  if (g.rank() != g.size() - 1) {
+    try {
+      work->wait(std::chrono::milliseconds(50));
+      BOOST_ERROR("wait(50 ms) returned although the last rank joins after 800 ms");
+    } catch (const fsdp::TimeoutError& e) {
+      const std::string msg = e.what();
+      BOOST_TEST(msg.find("all_reduce on " + g.name()) != std::string::npos, msg);
+      BOOST_TEST(msg.find("not complete after 0.05 s") != std::string::npos, msg);
+    }
+  }
+  work->wait(std::chrono::seconds(30));
+  const float want = static_cast<float>(g.size() * (g.size() + 1) / 2);
+  BOOST_TEST(at::equal(t.cpu(), at::full({4}, want)), "all_reduce after the timed-out wait: " << t);
+  expect_error<fsdp::ArgumentError>("wait(-1 s)", "timeout",
+                                    [&] { work->wait(std::chrono::seconds(-1)); });
+}
+
+// MPI failures reach the caller as CommError with MPI's own words (the
+// communicators return errors instead of aborting the job): a receive into
+// a buffer smaller than the message is MPI_ERR_TRUNCATE.
+BOOST_AUTO_TEST_CASE(test_mpi_failure_is_comm_error) {
+  if (!spmd::device().is_cpu()) SPMD_SKIP("MPI's truncation error is a CPU-tensor (MPI) case");
+  ProcessGroup& g = *test_groups().front();
+  if (g.rank() == 0) {
+    g.send(at::ones({8}, opts()), 1, /*tag=*/5);
+  } else if (g.rank() == 1) {
+    at::Tensor small = at::zeros({4}, opts());
+    try {
+      g.recv(small, 0, /*tag=*/5);
+      BOOST_ERROR("a receive of 8 floats into 4 returned");
+    } catch (const fsdp::CommError& e) {
+      const std::string msg = e.what();
+      BOOST_TEST(msg.find("recv on " + g.name()) != std::string::npos, msg);
+      BOOST_TEST(msg.find("truncat") != std::string::npos, msg);
+    }
+  }
+  check_still_works(g);
 }

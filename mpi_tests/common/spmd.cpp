@@ -201,18 +201,23 @@ std::string basename_of(const char* path) {
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }
 
-// Rank 0: chooses and truncates $FSDP_REPORT_DIR/<exe>_np<N>[_<device>].jsonl
-// (the device suffix only off the CPU, so cpu and gpu runs of one executable
-// at one np keep separate files). Leaves g_report_path empty when the
-// variable is unset or the file cannot be written.
+// "<exe>_np<N>" plus "_<device>" off the CPU: the stem of this run's
+// precision-record and JUnit files, so a cpu and a gpu run of one executable
+// at one np never overwrite each other's.
+std::string run_stem(const std::string& exe, const c10::Device& dev) {
+  std::string stem = exe + "_np" + std::to_string(world_size());
+  if (!dev.is_cpu()) stem += "_" + c10::DeviceTypeName(dev.type(), /*lower_case=*/true);
+  return stem;
+}
+
+// Rank 0: chooses and truncates $FSDP_REPORT_DIR/<run_stem>.jsonl. Leaves
+// g_report_path empty when the variable is unset or the file cannot be written.
 void open_precision_report(const std::string& exe, const c10::Device& dev) {
   const char* dir = std::getenv("FSDP_REPORT_DIR");
   if (dir == nullptr || *dir == '\0' || rank() != 0) return;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  std::string path = std::string(dir) + "/" + exe + "_np" + std::to_string(world_size());
-  if (!dev.is_cpu()) path += "_" + c10::DeviceTypeName(dev.type(), /*lower_case=*/true);
-  path += ".jsonl";
+  const std::string path = std::string(dir) + "/" + run_stem(exe, dev) + ".jsonl";
   std::ofstream out(path, std::ios::trunc);
   if (!out) {
     std::cerr << "[spmd] cannot write precision records to " << path
@@ -311,8 +316,8 @@ int main(int argc, char** argv) {
     const char* junit_dir = std::getenv("FSDP_JUNIT_DIR");
     std::string logger = "--logger=HRF,test_suite,stdout";
     if (junit_dir != nullptr && *junit_dir != '\0') {
-      logger += ":JUNIT,warning," + std::string(junit_dir) + "/" + exe + "_np" +
-                std::to_string(spmd::world_size()) + ".xml";
+      logger += ":JUNIT,warning," + std::string(junit_dir) + "/" +
+                spmd::run_stem(exe, spmd::device()) + ".xml";
     }
     args.push_back(logger);
     args.push_back("--color_output=no");

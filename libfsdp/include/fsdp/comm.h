@@ -12,8 +12,10 @@
 //
 // Errors: non-contiguous tensors -> LayoutError; dtype mismatch or an
 // unsupported dtype -> DTypeError; wrong sizes -> ShapeError; bad root/peer
-// rank or op -> ArgumentError; an MPI/NCCL failure -> CommError (rethrown by
-// Work::wait()). Supported dtypes: float32, float64, bfloat16, float16, int32,
+// rank or op -> ArgumentError; an MPI/NCCL failure -> CommError with MPI's or
+// NCCL's error string (rethrown by Work::wait()); ranks of a group issuing
+// different collectives -> CommError naming both calls when FSDP_DEBUG=detail
+// (otherwise they hang until the watchdog aborts the job: fsdp/runtime.h). Supported dtypes: float32, float64, bfloat16, float16, int32,
 // int64. bfloat16/float16 SUM/AVG/MAX run through custom MPI ops that add each
 // pair of operands in float32 and round the result once to the 16-bit type
 // (so a 2-rank reduction is exactly rounded; with more ranks each partial sum
@@ -22,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -43,6 +46,13 @@ class Work {
   virtual void wait() = 0;
   // True once the collective finished (successfully or not); never blocks.
   virtual bool is_completed() = 0;
+  // wait(), but gives up after `timeout`: throws TimeoutError naming the op,
+  // group and sequence number if the collective has not finished by then (it
+  // stays in flight: wait again, or end the job). ArgumentError if timeout is
+  // negative or not finite.
+  void wait(std::chrono::duration<double> timeout);
+  // "all_reduce on ranks[0,1] #7 (mpi)": what this handle waits for.
+  virtual std::string describe() const = 0;
 };
 using WorkPtr = std::shared_ptr<Work>;
 
@@ -135,8 +145,9 @@ CollectiveCounters collective_counters();
 void reset_collective_counters();
 
 // One line per collective issued on this process that has not completed yet
-// ("all_gather on ranks[0,1] #12 (mpi), 3.2 s in flight"), or "none". Used by
-// watchdogs to say which collective is stuck.
+// ("all_gather on ranks[0,1] #12 (mpi), 4096 B, issued by FSDP unit 'layers.0',
+// 3.2 s in flight"), or "none". The library's watchdog (fsdp/runtime.h) and
+// the test harness's print it when they abort a stuck job.
 std::string describe_pending_collectives();
 
 }  // namespace fsdp

@@ -58,10 +58,17 @@ class StateError : public Error {
   using Error::Error;
 };
 
-// The communication library (MPI or NCCL) reported a failure.
+// The communication library (MPI or NCCL) reported a failure, or the ranks
+// of a group issued different collectives (FSDP_DEBUG=detail).
 class CommError : public Error {
  public:
   using Error::Error;
+};
+
+// Work::wait(timeout) ran out of time; the collective is still in flight.
+class TimeoutError : public CommError {
+ public:
+  using CommError::CommError;
 };
 
 }  // namespace fsdp

@@ -16,6 +16,7 @@
 
 #include <mpi.h>
 
+#include <optional>
 #include <string>
 
 namespace fsdp {
@@ -26,13 +27,28 @@ struct RuntimeOptions {
   int num_threads = 0;
   // Log the start-up banner (BLAS library, threads, device) on world rank 0.
   bool log_banner = true;
+  // The collective watchdog: a collective or point-to-point issued through
+  // libfsdp that has not completed after this many seconds is printed on
+  // every rank where it is pending (op, group, sequence number, bytes, the
+  // FSDP unit or pipeline transfer that issued it, how long) and the job is
+  // aborted with MPI_Abort, exit status 124, about 3 s later. 0 switches it
+  // off. Unset: $FSDP_TIMEOUT (seconds, or "off"), else 600.
+  std::optional<double> timeout_seconds;
+  // Desync detection: before each collective the ranks of its group compare
+  // op, dtype, element count, root or reduce op and position, and a mismatch
+  // throws CommError naming both ranks' calls instead of hanging. Costs one
+  // small extra all-gather per collective. Unset: on when $FSDP_DEBUG is
+  // "detail" (off for "off" or empty).
+  std::optional<bool> check_collectives;
 };
 
 class Runtime {
  public:
   // Initialises MPI (unless already initialised by the caller, in which case
   // the provided thread level is checked). Throws StateError if a Runtime is
-  // already alive or MPI cannot provide MPI_THREAD_MULTIPLE.
+  // already alive or MPI cannot provide MPI_THREAD_MULTIPLE; ArgumentError
+  // naming the option or variable for a bad timeout, FSDP_TIMEOUT,
+  // FSDP_DEBUG or FSDP_NUM_THREADS.
   Runtime(int* argc, char*** argv, RuntimeOptions options = {});
   ~Runtime();
   Runtime(const Runtime&) = delete;
@@ -51,6 +67,10 @@ class Runtime {
   // cuda:<local rank> when LibTorch has CUDA devices, else cpu.
   c10::Device device() const { return device_; }
   int num_threads() const { return num_threads_; }
+  // The watchdog's timeout in seconds (0: off) and whether desync detection
+  // is on, as resolved from the options and the environment.
+  double timeout_seconds() const { return timeout_seconds_; }
+  bool checks_collectives() const { return check_collectives_; }
   // Path of the shared object that provides sgemm_ (the BLAS LibTorch uses).
   const std::string& blas_library() const { return blas_library_; }
   // Whether MPI was initialised by this Runtime (and will be finalised by it).
@@ -63,6 +83,8 @@ class Runtime {
   int local_rank_ = 0;
   int local_size_ = 1;
   int num_threads_ = 1;
+  double timeout_seconds_ = 600;
+  bool check_collectives_ = false;
   c10::Device device_{c10::kCPU};
   std::string blas_library_;
 };

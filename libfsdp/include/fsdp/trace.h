@@ -42,6 +42,8 @@ void stop();
 int64_t swap_unit(int64_t unit);
 int64_t current_unit();
 void set_unit_label(int64_t unit, std::string label);
+// The label set for `unit`, or "" (unknown or -1).
+std::string unit_label(int64_t unit);
 void hint_collective_bytes(int64_t bytes);
 int64_t take_collective_bytes();
 int64_t now_ns();

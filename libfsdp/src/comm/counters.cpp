@@ -1,6 +1,9 @@
 // Collective counters and the pending-collective registry.
 #include "comm/process_group.h"
 
+#include "fsdp/trace.h"
+
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <sstream>
@@ -51,18 +54,11 @@ void reset_collective_counters() {
 }
 
 std::string describe_pending_collectives() {
-  std::lock_guard<std::mutex> lock(pending_mu());
-  std::ostringstream os;
-  const auto now = Clock::now();
-  bool first = true;
-  for (const auto& [work, since] : pending()) {
-    if (work->finished()) continue;
-    if (!first) os << "; ";
-    first = false;
-    os << work->info().describe() << ", " << work->info().bytes << " B, "
-       << std::chrono::duration<double>(now - since).count() << " s in flight";
-  }
-  return first ? "none" : os.str();
+  const auto entries = detail::pending_snapshot();
+  if (entries.empty()) return "none";
+  std::string out;
+  for (const auto& e : entries) out += (out.empty() ? "" : "; ") + detail::describe_pending(e);
+  return out;
 }
 
 namespace detail {
@@ -73,6 +69,33 @@ void count_collective(const std::string& op, const std::string& group, int64_t b
   c.count[{op, group}] += 1;
   c.bytes[{op, group}] += bytes;
   if (c.sequence.size() < kMaxSequence) c.sequence.push_back({op, group, bytes});
+}
+
+std::vector<PendingEntry> pending_snapshot() {
+  std::vector<PendingEntry> out;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu());
+    const auto now = Clock::now();
+    for (const auto& [work, since] : pending()) {
+      if (work->finished()) continue;
+      out.push_back({work->info(), std::chrono::duration<double>(now - since).count()});
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const PendingEntry& a, const PendingEntry& b) { return a.seconds > b.seconds; });
+  return out;
+}
+
+std::string describe_pending(const PendingEntry& e) {
+  std::ostringstream os;
+  os << e.info.describe() << ", " << e.info.bytes << " B";
+  if (e.info.unit >= 0) {
+    const std::string label = trace::detail::unit_label(e.info.unit);
+    os << ", issued by FSDP unit " << e.info.unit;
+    if (!label.empty()) os << " '" << label << "'";
+  }
+  os << ", " << e.seconds << " s in flight";
+  return os.str();
 }
 
 void register_pending(const PendingWork* w) {

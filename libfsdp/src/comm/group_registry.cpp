@@ -32,6 +32,10 @@ void init_group_registry() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &r.world), "MPI_Comm_dup");
+  // Errors come back as return codes (check_mpi throws CommError) on every
+  // communicator split or duplicated from this one, not MPI's default abort;
+  // the user's MPI_COMM_WORLD keeps its own handler.
+  check_mpi(MPI_Comm_set_errhandler(r.world, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
 }
 
 void shutdown_group_registry() {

@@ -1,6 +1,7 @@
 // MPI transport for CPU tensors: blocking MPI collectives executed on the
 // group's CommThread (see comm_thread.cpp), so async_op calls overlap compute.
 #include "fsdp/errors.h"
+#include "fsdp/trace.h"
 #include "comm/process_group.h"
 
 #include <algorithm>
@@ -62,40 +63,55 @@ class RequestWork final : public Work, public PendingWork {
   }
   void wait() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_) return;
-    const int rc = MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    if (!done_) rc_ = MPI_Wait(&request_, MPI_STATUS_IGNORE);
     complete();
-    check_mpi(rc, description_.c_str());
+    check_mpi(rc_, description_.c_str());
   }
   bool is_completed() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_) return true;
-    int flag = 0;
-    const int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS || flag) complete();
-    check_mpi(rc, description_.c_str());
+    if (done_ || test_locked()) complete();
+    return done_;
+  }
+  // The watchdog's view: a transfer done but not yet waited for is not
+  // stuck. Skips the test while another thread holds the request.
+  bool finished() const override {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return false;
+    if (!done_ && test_locked()) {
+      done_ = true;  // unregistered by complete() or the destructor, not here
+    }
     return done_;
   }
   const WorkInfo& info() const override { return info_; }
+  std::string describe() const override { return description_; }
 
  private:
+  // One MPI_Test; true when the request finished (its error, if any, is
+  // kept for wait() to throw).
+  bool test_locked() const {
+    int flag = 0;
+    const int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) rc_ = rc;
+    return rc != MPI_SUCCESS || flag != 0;
+  }
   void complete() {
     done_ = true;
     tensor_ = at::Tensor();
     unregister_pending(this);
   }
-  std::mutex mu_;
-  MPI_Request request_;
+  mutable std::mutex mu_;
+  mutable MPI_Request request_;
   at::Tensor tensor_;
   WorkInfo info_;
   std::string description_;  // for MPI error messages
-  bool done_ = false;
+  mutable bool done_ = false;
+  mutable int rc_ = MPI_SUCCESS;
 };
 
 class MpiBackend final : public Backend {
  public:
-  MpiBackend(MPI_Comm comm, std::string group_name, bool poll)
-      : comm_(comm), group_name_(std::move(group_name)), poll_(poll) {
+  MpiBackend(MPI_Comm comm, std::string group_name, bool poll, CollectiveCheck* check)
+      : comm_(comm), group_name_(std::move(group_name)), poll_(poll), check_(check) {
     check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
   }
   ~MpiBackend() override {
@@ -106,7 +122,7 @@ class MpiBackend final : public Backend {
   WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const int count = to_int(in.numel(), "input");
-    return submit("all_gather", in, async_op, [this, out, in, dt, count] {
+    return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count] {
       if (!poll_) {
         check_mpi(MPI_Allgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_),
                   "MPI_Allgather");
@@ -123,7 +139,8 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const MPI_Op mop = mpi_op(op, in.scalar_type());
     const int count = to_int(out.numel(), "output");
-    return submit("reduce_scatter", in, async_op, [this, out, in, dt, mop, count, op] {
+    return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
+                  [this, out, in, dt, mop, count, op] {
       if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_,
@@ -142,7 +159,8 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const MPI_Op mop = mpi_op(op, t.scalar_type());
     const int count = to_int(t.numel(), "tensor");
-    return submit("all_reduce", t, async_op, [this, t, dt, mop, count, op] {
+    return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
+                  [this, t, dt, mop, count, op] {
       if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_, &r),
@@ -159,7 +177,7 @@ class MpiBackend final : public Backend {
   WorkPtr broadcast(at::Tensor t, int root, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const int count = to_int(t.numel(), "tensor");
-    return submit("broadcast", t, async_op, [this, t, dt, count, root] {
+    return submit("broadcast", t, count, root, async_op, [this, t, dt, count, root] {
       check_mpi(MPI_Bcast(t.data_ptr(), count, dt, root, comm_), "MPI_Bcast");
     });
   }
@@ -170,7 +188,8 @@ class MpiBackend final : public Backend {
     auto sd = std::make_shared<std::vector<int>>(to_ints(c.send_displs, "input"));
     auto rc = std::make_shared<std::vector<int>>(to_ints(c.recv_counts, "output_split_sizes"));
     auto rd = std::make_shared<std::vector<int>>(to_ints(c.recv_displs, "output"));
-    return submit("all_to_all", in, async_op, [this, out, in, dt, sc, sd, rc, rd] {
+    // Split sizes may differ by rank: the check compares op and dtype only.
+    return submit("all_to_all", in, -1, -1, async_op, [this, out, in, dt, sc, sd, rc, rd] {
       check_mpi(MPI_Alltoallv(in.data_ptr(), sc->data(), sd->data(), dt, out.data_ptr(),
                               rc->data(), rd->data(), dt, comm_),
                 "MPI_Alltoallv");
@@ -221,7 +240,7 @@ class MpiBackend final : public Backend {
   }
 
   void barrier() override {
-    submit("barrier", at::Tensor(), false,
+    submit("barrier", at::Tensor(), 0, -1, false,
            [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
   }
 
@@ -240,12 +259,22 @@ class MpiBackend final : public Backend {
     info.seq = ++sequence_;
     info.bytes = payload.defined() ? static_cast<int64_t>(payload.nbytes()) : 0;
     info.backend = "mpi";
+    info.unit = trace::detail::current_unit();
     return info;
   }
 
-  WorkPtr submit(const char* op, const at::Tensor& payload, bool async_op,
-                 std::function<void()> fn) {
-    return thread_->submit(std::move(fn), describe(op, payload), async_op);
+  // count, extra: what FSDP_DEBUG=detail compares (CollectiveCheck::verify).
+  WorkPtr submit(const char* op, const at::Tensor& payload, int64_t count, int64_t extra,
+                 bool async_op, std::function<void()> fn) {
+    WorkInfo info = describe(op, payload);
+    if (check_ != nullptr) {
+      const int dtype = payload.defined() ? static_cast<int>(payload.scalar_type()) : -1;
+      fn = [check = check_, info, dtype, count, extra, fn = std::move(fn)] {
+        check->verify(info, dtype, count, extra);
+        fn();
+      };
+    }
+    return thread_->submit(std::move(fn), std::move(info), async_op);
   }
 
   MPI_Comm comm_;
@@ -253,6 +282,7 @@ class MpiBackend final : public Backend {
   // Collectives wait by polling (wait_polling) instead of inside a blocking
   // MPI call, which spins.
   bool poll_;
+  CollectiveCheck* check_;  // FSDP_DEBUG=detail, else null; owned by the group
   int size_ = 1;
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
@@ -260,8 +290,9 @@ class MpiBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll) {
-  return std::make_unique<MpiBackend>(comm, std::move(group_name), poll);
+std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll,
+                                          CollectiveCheck* check) {
+  return std::make_unique<MpiBackend>(comm, std::move(group_name), poll, check);
 }
 
 }  // namespace fsdp::detail

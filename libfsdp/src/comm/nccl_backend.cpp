@@ -13,6 +13,7 @@
 // NCCL has no message tags: sends and recvs between a pair match in issue
 // order, and `tag` (validated by ProcessGroupImpl) is ignored.
 #include "fsdp/errors.h"
+#include "fsdp/trace.h"
 #include "comm/process_group.h"
 #include "runtime/torch_compat.h"
 
@@ -23,6 +24,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -137,6 +139,7 @@ class NcclWork final : public Work, public PendingWork {
 
   bool finished() const override { return query() != cudaErrorNotReady; }
   const WorkInfo& info() const override { return info_; }
+  std::string describe() const override { return description_; }
 
  private:
   cudaError_t query() const {
@@ -160,8 +163,9 @@ class NcclWork final : public Work, public PendingWork {
 
 class NcclBackend final : public Backend {
  public:
-  NcclBackend(MPI_Comm bootstrap, c10::Device device, std::string group_name)
-      : bootstrap_(bootstrap), device_(device), group_name_(std::move(group_name)),
+  NcclBackend(MPI_Comm bootstrap, c10::Device device, std::string group_name,
+              CollectiveCheck* check)
+      : bootstrap_(bootstrap), device_(device), group_name_(std::move(group_name)), check_(check),
         stream_(compat::comm_stream(device.index())) {
     check_mpi(MPI_Comm_rank(bootstrap_, &rank_), "MPI_Comm_rank");
     check_mpi(MPI_Comm_size(bootstrap_, &size_), "MPI_Comm_size");
@@ -181,7 +185,7 @@ class NcclBackend final : public Backend {
     return issue("all_gather", {out, in}, async_op, [&](cudaStream_t s) {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), count_of(in),
                            nccl_dtype(in.scalar_type()), group_comm(), s);
-    });
+    }, "", Checked{in.numel(), -1});
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, bool async_op) override {
@@ -189,7 +193,7 @@ class NcclBackend final : public Backend {
     return issue("reduce_scatter", {out, in}, async_op, [&](cudaStream_t s) {
       return ncclReduceScatter(in.data_ptr(), out.data_ptr(), count_of(out),
                                nccl_dtype(in.scalar_type()), nccl_op(op), group_comm(), s);
-    });
+    }, "", Checked{out.numel(), static_cast<int64_t>(op)});
   }
 
   WorkPtr all_reduce(at::Tensor t, ReduceOp op, bool async_op) override {
@@ -197,7 +201,7 @@ class NcclBackend final : public Backend {
     return issue("all_reduce", {t}, async_op, [&](cudaStream_t s) {
       return ncclAllReduce(t.data_ptr(), t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()),
                            nccl_op(op), group_comm(), s);
-    });
+    }, "", Checked{t.numel(), static_cast<int64_t>(op)});
   }
 
   WorkPtr broadcast(at::Tensor t, int root, bool async_op) override {
@@ -205,7 +209,7 @@ class NcclBackend final : public Backend {
     return issue("broadcast", {t}, async_op, [&](cudaStream_t s) {
       return ncclBroadcast(t.data_ptr(), t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()),
                            root, group_comm(), s);
-    });
+    }, "", Checked{t.numel(), root});
   }
 
   WorkPtr all_to_all(at::Tensor out, at::Tensor in, SplitCounts c, bool async_op) override {
@@ -230,7 +234,7 @@ class NcclBackend final : public Backend {
       // Always close the group, even after a failed call inside it.
       const ncclResult_t end = ncclGroupEnd();
       return rc != ncclSuccess ? rc : end;
-    });
+    }, "", Checked{-1, -1});  // split sizes may differ by rank
   }
 
   WorkPtr send(at::Tensor t, int dst, int /*tag*/, bool async_op) override {
@@ -286,11 +290,19 @@ class NcclBackend final : public Backend {
   }
 
  private:
+  // What FSDP_DEBUG=detail compares of a collective (CollectiveCheck::verify);
+  // point-to-point is not checked (only its two ranks take part).
+  struct Checked {
+    int64_t count = 0;
+    int64_t extra = -1;
+  };
+
   // Runs `launch` (which issues the NCCL calls on the stream it is given and
   // returns their result) ordered after the caller's current stream.
   template <typename Launch>
   WorkPtr issue(const char* op, std::vector<at::Tensor> tensors, bool async_op,
-                Launch&& launch, std::string label = "") {
+                Launch&& launch, std::string label = "",
+                std::optional<Checked> checked = std::nullopt) {
     std::lock_guard<std::mutex> lock(mu_);  // one NCCL call at a time per communicator
     WorkInfo info;
     info.op = op;
@@ -299,7 +311,12 @@ class NcclBackend final : public Backend {
     info.bytes = tensors.empty() ? 0 : static_cast<int64_t>(tensors.back().nbytes());  // the input
     info.backend = "nccl";
     info.label = std::move(label);
+    info.unit = trace::detail::current_unit();
     const std::string what = info.describe();
+    if (check_ != nullptr && checked) {
+      check_->verify(info, static_cast<int>(tensors.back().scalar_type()), checked->count,
+                     checked->extra);
+    }
     c10::cuda::CUDAGuard guard(device_.index());
     check_async_errors(what);
     const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
@@ -395,6 +412,7 @@ class NcclBackend final : public Backend {
   MPI_Comm bootstrap_;
   c10::Device device_;
   std::string group_name_;
+  CollectiveCheck* check_;  // FSDP_DEBUG=detail, else null; owned by the group
   c10::cuda::CUDAStream stream_;
   int rank_ = 0;
   int size_ = 1;
@@ -408,8 +426,8 @@ class NcclBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
-                                           std::string group_name) {
-  return std::make_unique<NcclBackend>(bootstrap, device, std::move(group_name));
+                                           std::string group_name, CollectiveCheck* check) {
+  return std::make_unique<NcclBackend>(bootstrap, device, std::move(group_name), check);
 }
 
 }  // namespace fsdp::detail

@@ -6,8 +6,35 @@
 #include <algorithm>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 namespace fsdp {
+
+void Work::wait(std::chrono::duration<double> timeout) {
+  if (!(timeout.count() >= 0) || timeout.count() > 1e9) {
+    std::ostringstream os;
+    os << "Work::wait: 'timeout' = " << timeout.count() << " s; accepted: 0 .. 1e9 seconds";
+    throw ArgumentError("timeout", os.str());
+  }
+  // Polls is_completed() (which never blocks, on every backend) with naps
+  // that double from 50 us to 10 ms, then lets wait() rethrow or order the
+  // caller's stream.
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout);
+  std::chrono::microseconds nap(50);
+  while (!is_completed()) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      std::ostringstream os;
+      os << describe() << ": not complete after " << timeout.count()
+         << " s (Work::wait timeout); it is still in flight";
+      throw TimeoutError(os.str());
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(nap, deadline - now));
+    nap = std::min(nap * 2, std::chrono::microseconds(10000));
+  }
+  wait();
+}
 
 std::string to_string(ReduceOp op) {
   switch (op) {
@@ -74,6 +101,11 @@ void check_pair(const char* fn, const at::Tensor& out, const at::Tensor& in) {
 }
 
 void check_reduce_op(const char* fn, ReduceOp op, const at::Tensor& t, const char* arg) {
+  if (op != ReduceOp::SUM && op != ReduceOp::AVG && op != ReduceOp::MAX) {
+    throw ArgumentError("op", std::string(fn) + ": 'op' = " +
+                                  std::to_string(static_cast<int>(op)) +
+                                  " is not a ReduceOp; accepted: SUM, AVG, MAX");
+  }
   if (op == ReduceOp::AVG && !at::isFloatingType(t.scalar_type())) {
     throw DTypeError(arg, std::string(fn) + ": op avg needs a floating dtype but '" + arg +
                               "' has " + c10::toString(t.scalar_type()));
@@ -148,7 +180,18 @@ ProcessGroupImpl::ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, 
   // A second communicator over the same ranks for bootstrapping other
   // transports, so their set-up never interleaves with queued MPI collectives.
   check_mpi(MPI_Comm_dup(comm, &bootstrap_), "MPI_Comm_dup");
-  mpi_ = make_mpi_backend(comm, name_, poll);
+  // MPI failures must reach the caller as CommError (check_mpi), not abort
+  // the job from inside MPI; communicators duplicated from these inherit it.
+  check_mpi(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  check_mpi(MPI_Comm_set_errhandler(bootstrap_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  if (comm_settings().check_collectives) {
+    for (auto* check : {&mpi_check_, &nccl_check_}) {
+      MPI_Comm dup = MPI_COMM_NULL;
+      check_mpi(MPI_Comm_dup(bootstrap_, &dup), "MPI_Comm_dup");
+      *check = std::make_unique<CollectiveCheck>(dup, world_ranks_);
+    }
+  }
+  mpi_ = make_mpi_backend(comm, name_, poll, mpi_check_.get());
 }
 
 ProcessGroupImpl::~ProcessGroupImpl() { shutdown(); }
@@ -169,6 +212,8 @@ void ProcessGroupImpl::shutdown() {
   closed_ = true;
   nccl_.reset();
   mpi_.reset();
+  nccl_check_.reset();
+  mpi_check_.reset();
   if (bootstrap_ != MPI_COMM_NULL) MPI_Comm_free(&bootstrap_);
 }
 
@@ -180,7 +225,7 @@ Backend& ProcessGroupImpl::backend_for(const at::Tensor& t, const char* argument
   if (t.device().is_cpu()) return *mpi_;
   if (t.device().is_cuda()) {
 #ifdef FSDP_WITH_NCCL
-    if (!nccl_) nccl_ = make_nccl_backend(bootstrap_, t.device(), name_);
+    if (!nccl_) nccl_ = make_nccl_backend(bootstrap_, t.device(), name_, nccl_check_.get());
     return *nccl_;
 #else
     throw LayoutError(argument, std::string("'") + argument + "' is a CUDA tensor but libfsdp " +

@@ -21,6 +21,8 @@
 
 namespace fsdp::detail {
 
+class CollectiveCheck;
+
 // What one issued collective or point-to-point is: the fields counters,
 // traces and watchdogs read (never parsed back out of a text).
 struct WorkInfo {
@@ -30,6 +32,7 @@ struct WorkInfo {
   int64_t bytes = 0;    // payload bytes (the input's; the tensor's for in-place ops)
   std::string backend;  // "mpi" or "nccl"
   std::string label;    // the caller's words for it (P2POp::label), may be empty
+  int64_t unit = -1;    // the FSDP unit whose hook issued it (trace ids), -1: none
   // "all_gather on ranks[0,1] #12 (mpi)", "send on ranks[0,1] #3 (mpi) [pp ...]"
   std::string describe() const {
     return op + " on " + group + " #" + std::to_string(seq) + " (" + backend + ")" +
@@ -43,9 +46,10 @@ class PendingWork {
  public:
   virtual ~PendingWork() = default;
   virtual const WorkInfo& info() const = 0;
-  // Work that completes on a device stream, unseen by the host, stays
-  // registered for its handle's lifetime; the registry lists it only while
-  // this is false.
+  // Work that completes unseen by the host (on a device stream, or an MPI
+  // request nobody has tested yet) stays registered for its handle's
+  // lifetime; the registry lists it only while this is false. Called with the
+  // registry's lock held: must not block or unregister.
   virtual bool finished() const { return false; }
 };
 
@@ -61,6 +65,7 @@ class TaskWork : public Work, public PendingWork {
 
   void run() noexcept;  // executes fn, records the error, signals waiters
   const WorkInfo& info() const override { return info_; }
+  std::string describe() const override { return info_.describe(); }
 
  private:
   std::function<void()> fn_;
@@ -115,13 +120,15 @@ class Backend {
 // MPI transport for CPU tensors over `comm` (owned: freed on destruction).
 // poll: collectives wait by testing a nonblocking request with short sleeps
 // rather than inside a blocking call (which spins on a core).
-std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll);
+// check: FSDP_DEBUG=detail's, else null (not owned).
+std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll,
+                                          CollectiveCheck* check);
 // NCCL transport for CUDA tensors on `device`. Its communicators are created
 // on first use, bootstrapped over `bootstrap` (not owned): the group's by the
 // first collective, a pair's by its first send/recv, so constructing it does
 // not communicate. Defined only when built with FSDP_WITH_NCCL.
 std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
-                                           std::string group_name);
+                                           std::string group_name, CollectiveCheck* check);
 
 class ProcessGroupImpl final : public ProcessGroup {
  public:
@@ -163,14 +170,60 @@ class ProcessGroupImpl final : public ProcessGroup {
   std::string name_;
   MPI_Comm bootstrap_ = MPI_COMM_NULL;  // owned; used by the NCCL bootstrap
   std::mutex backends_mu_;
+  // FSDP_DEBUG=detail: one check per backend (each orders its collectives
+  // on its own), created with the group so no later call communicates.
+  std::unique_ptr<CollectiveCheck> mpi_check_;
+  std::unique_ptr<CollectiveCheck> nccl_check_;
   std::unique_ptr<Backend> mpi_;
   std::unique_ptr<Backend> nccl_;
   bool closed_ = false;
 };
 
-// ---- pending-collective registry (diagnostics) ----
+// ---- pending-collective registry (diagnostics, watchdog) ----
 void register_pending(const PendingWork* w);
 void unregister_pending(const PendingWork* w);
+struct PendingEntry {
+  WorkInfo info;
+  double seconds = 0;  // since it was issued
+};
+// The unfinished ones, longest in flight first.
+std::vector<PendingEntry> pending_snapshot();
+// "all_gather on ranks[0,1] #12 (mpi), 4096 B, issued by FSDP unit 3 'layers.0', 3.2 s in flight"
+std::string describe_pending(const PendingEntry& e);
+
+// ---- watchdog and desync checks (watchdog.cpp, collective_check.cpp) ----
+struct CommSettings {
+  double timeout_seconds = 600;    // 0: no watchdog
+  bool check_collectives = false;  // FSDP_DEBUG=detail
+};
+// Set by the Runtime before any group exists; read by groups and the watchdog.
+void configure_comm(const CommSettings& settings);
+const CommSettings& comm_settings();
+// A thread that aborts the job (MPI_Abort, exit status 124) when a pending
+// collective outlives timeout_seconds, after printing it on this rank.
+void start_watchdog(int world_rank, int world_size);
+void stop_watchdog();
+
+// FSDP_DEBUG=detail: before each collective every rank of the group gathers
+// every rank's fingerprint of it over a communicator of its own and throws
+// CommError naming the first rank whose call differs from rank 0's. One per
+// backend of a group, called in that backend's issue order (MPI: on its comm
+// thread; NCCL: at issue), so the exchanges pair up as the collectives would.
+class CollectiveCheck {
+ public:
+  // Takes ownership of comm; world_ranks: the group's, for messages.
+  CollectiveCheck(MPI_Comm comm, std::vector<int> world_ranks);
+  ~CollectiveCheck();
+  // op: WorkInfo::op; count: elements per rank (-1: may differ by rank, as
+  // all_to_all's); extra: the root or the ReduceOp (-1: none).
+  void verify(const WorkInfo& info, int dtype, int64_t count, int64_t extra);
+
+ private:
+  MPI_Comm comm_;
+  std::vector<int> world_ranks_;
+  int rank_ = 0;
+  int64_t issued_ = 0;  // collectives verified so far
+};
 
 // ---- counters ----
 void count_collective(const std::string& op, const std::string& group, int64_t bytes);

@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 namespace fsdp {
@@ -43,6 +44,43 @@ int threads_from_env() {
   return static_cast<int>(n);
 }
 
+// "600 s", "2.5 s"
+std::string seconds_text(double s) {
+  std::ostringstream os;
+  os << s << " s";
+  return os.str();
+}
+
+double timeout_from(const std::optional<double>& option) {
+  if (option) {
+    if (!(*option >= 0) || *option > 1e9) {
+      throw ArgumentError("timeout_seconds", "RuntimeOptions::timeout_seconds = " +
+                                                 std::to_string(*option) +
+                                                 "; accepted: 0 (off) or seconds up to 1e9");
+    }
+    return *option;
+  }
+  const char* env = std::getenv("FSDP_TIMEOUT");
+  if (env == nullptr || *env == '\0') return 600;
+  if (std::string(env) == "off") return 0;
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (*end != '\0' || !(s > 0) || s > 1e9) {
+    throw ArgumentError("FSDP_TIMEOUT", std::string("FSDP_TIMEOUT='") + env +
+                                            "'; accepted: seconds (> 0, up to 1e9) or off");
+  }
+  return s;
+}
+
+bool check_collectives_from(const std::optional<bool>& option) {
+  if (option) return *option;
+  const char* env = std::getenv("FSDP_DEBUG");
+  if (env == nullptr || *env == '\0' || std::string(env) == "off") return false;
+  if (std::string(env) == "detail") return true;
+  throw ArgumentError("FSDP_DEBUG",
+                      std::string("FSDP_DEBUG='") + env + "'; accepted: detail, off or empty");
+}
+
 // OpenBLAS keeps its own pool; pin it too when it is the loaded BLAS.
 void set_blas_threads(int n) {
   using SetThreads = void (*)(int);
@@ -65,6 +103,8 @@ std::string loaded_blas_library() {
 
 Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   if (g_runtime != nullptr) throw StateError("an fsdp::Runtime is already alive in this process");
+  timeout_seconds_ = timeout_from(options.timeout_seconds);
+  check_collectives_ = check_collectives_from(options.check_collectives);
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
@@ -113,6 +153,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   blas_library_ = loaded_blas_library();
 
   detail::init_mpi_types();
+  detail::configure_comm({timeout_seconds_, check_collectives_});
   detail::init_group_registry();
   g_runtime = this;
   std::vector<int> everyone(static_cast<size_t>(world_size_));
@@ -122,16 +163,21 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   if (options.log_banner && world_rank_ == 0) {
     std::cerr << "[libfsdp] LibTorch " << compat::torch_version() << ", " << world_size_
               << " rank(s), " << local_size_ << " per node, " << num_threads_
-              << " thread(s) per rank, device " << device_.str() << ", BLAS " << blas_library_
+              << " thread(s) per rank, device " << device_.str() << ", watchdog "
+              << (timeout_seconds_ > 0 ? seconds_text(timeout_seconds_) : "off")
+              << (check_collectives_ ? ", collective checks on (FSDP_DEBUG=detail)" : "")
+              << ", BLAS " << blas_library_
               << (blas_library_.find("openblas") == std::string::npos && !at::hasMKL()
                       ? " (not OpenBLAS or MKL: GEMMs may be ~14x slower; install libopenblas0-pthread)"
                       : "")
               << std::endl;
   }
   trace::detail::start(world_rank_, world_size_);  // FSDP_TRACE
+  detail::start_watchdog(world_rank_, world_size_);
 }
 
 Runtime::~Runtime() {
+  detail::stop_watchdog();
   detail::shutdown_group_registry();
   trace::detail::stop();  // writes the trace, comm-thread spans included (threads joined)
   detail::free_mpi_types();

@@ -450,6 +450,13 @@ void set_unit_label(int64_t unit, std::string label) {
   r.unit_labels[unit] = std::move(label);
 }
 
+std::string unit_label(int64_t unit) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.unit_labels.find(unit);
+  return it == r.unit_labels.end() ? std::string() : it->second;
+}
+
 void hint_collective_bytes(int64_t bytes) { tl_bytes_hint = bytes; }
 
 int64_t take_collective_bytes() { return std::exchange(tl_bytes_hint, -1); }

@@ -43,24 +43,20 @@ thread_local int recompute_depth = 0;
 
 // ---- tracing (fsdp/trace.h) ----
 
-// Attributes the spans begun on this thread in its scope (the collectives'
-// issue/wait spans) to `unit`.
+// Attributes what this thread does in its scope to `unit`: the spans begun
+// (the collectives' issue/wait spans) and the collectives issued, which the
+// watchdog names when one is stuck -- so it is on with tracing off too.
 class TraceUnit {
  public:
   explicit TraceUnit(UnitState& unit) {
-    if (!trace::enabled()) return;
     trace::detail::set_unit_label(unit.id, unit.label());
     prev_ = trace::detail::swap_unit(unit.id);
-    active_ = true;
   }
-  ~TraceUnit() {
-    if (active_) trace::detail::swap_unit(prev_);
-  }
+  ~TraceUnit() { trace::detail::swap_unit(prev_); }
   TraceUnit(const TraceUnit&) = delete;
   TraceUnit& operator=(const TraceUnit&) = delete;
 
  private:
-  bool active_ = false;
   int64_t prev_ = -1;
 };
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A training job with a stopped rank must end by itself: starts fsdp-train on
+# NP ranks, waits until it has logged two steps, stops one rank with SIGSTOP
+# (as a debugger, a swapped-out node or a hung driver would), and checks that
+# the library's watchdog ends the job within FSDP_TIMEOUT + 10 s, with a
+# non-zero exit status and a report naming the stuck collective.
+#
+#   ci/train-stall-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
+#
+# Env: MPIEXEC (default mpiexec), NP (default 2), FSDP_TIMEOUT (default 5).
+# CTest runs it as fsdp_train_stall_np2.
+set -uo pipefail
+train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
+work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
+shift 2
+mpiexec="${MPIEXEC:-mpiexec}"
+np="${NP:-2}"
+export FSDP_TIMEOUT="${FSDP_TIMEOUT:-5}"
+rm -rf "$work" && mkdir -p "$work"
+log="$work/job.log"
+
+"$mpiexec" -n "$np" "$train" --steps 100000 --seq 64 --batch 4 --log-every 1 \
+  --out "$work/out" "$@" > "$log" 2>&1 &
+job=$!
+fail() { echo "FAIL: $*"; cat "$log"; kill -9 "$job" 2>/dev/null; pkill -9 -P "$job" 2>/dev/null; exit 1; }
+
+for _ in $(seq 1 600); do  # up to 60 s for start-up and two steps
+  [ -f "$work/out/loss.csv" ] && [ "$(wc -l < "$work/out/loss.csv")" -ge 3 ] && break
+  kill -0 "$job" 2>/dev/null || fail "the job ended before training started"
+  sleep 0.1
+done
+[ "$(wc -l < "$work/out/loss.csv" 2>/dev/null || echo 0)" -ge 3 ] || fail "no two steps within 60 s"
+victim=$(pgrep -P "$job" -f "$(basename "$train")" | tail -n 1)
+[ -n "$victim" ] || fail "no rank process found under mpiexec (pid $job)"
+echo "== stopping rank process $victim (SIGSTOP); FSDP_TIMEOUT=$FSDP_TIMEOUT"
+kill -STOP "$victim"
+stopped=$SECONDS
+limit=$((FSDP_TIMEOUT + 10))
+while kill -0 "$job" 2>/dev/null; do
+  if [ $((SECONDS - stopped)) -gt $((limit + 30)) ]; then
+    kill -CONT "$victim"
+    fail "the job still runs $((SECONDS - stopped)) s after the stop"
+  fi
+  sleep 0.2
+done
+wait "$job"
+rc=$?
+elapsed=$((SECONDS - stopped))
+cat "$log"
+echo "== the job ended $elapsed s after the stop, exit status $rc"
+if kill -0 "$victim" 2>/dev/null; then
+  kill -9 "$victim"
+  fail "the stopped rank outlived the job"
+fi
+[ "$rc" -ne 0 ] || fail "exit status 0"
+[ "$elapsed" -le "$limit" ] || fail "took $elapsed s, more than FSDP_TIMEOUT + 10 = $limit s"
+grep -Eq '\[libfsdp watchdog\] rank [0-9]+ of [0-9]+: [a-z_]+ on ranks\[[0-9,]+\] #[0-9]+ \((mpi|nccl)\), [0-9]+ B.*not complete after [0-9.]+ s \(FSDP_TIMEOUT\)' "$log" \
+  || fail "no watchdog report naming the collective"
+grep -q 'aborting the job (MPI_Abort, exit status 124)' "$log" || fail "no abort line"
+echo "PASS: stopped rank -> watchdog abort in $elapsed s (limit $limit s)"

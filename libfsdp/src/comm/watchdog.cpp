@@ -1,0 +1,93 @@
+// The collective watchdog: no job hangs silently.
+//
+// A rank that stops (a crash the launcher did not see, SIGSTOP, a deadlock
+// in user code) or ranks that issue different collectives leave every other
+// rank waiting inside MPI or NCCL forever. A thread per process looks at the
+// pending-collective registry; once the oldest entry has been in flight for
+// longer than the timeout it prints what is stuck on this rank and aborts
+// the whole job, as NCCL's watchdog and c10d's timeout do.
+#include "comm/process_group.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace fsdp::detail {
+namespace {
+
+constexpr int kExitStatus = 124;  // as timeout(1)
+
+CommSettings g_settings;
+
+struct Watchdog {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  std::thread thread;
+};
+Watchdog* g_watchdog = nullptr;
+
+[[noreturn]] void report_and_abort(const std::vector<PendingEntry>& pending, int rank, int size,
+                                   double timeout) {
+  std::ostringstream os;
+  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": "
+     << describe_pending(pending.front()) << ": not complete after " << timeout
+     << " s (FSDP_TIMEOUT); the other ranks of that group did not issue it, or issued another "
+        "collective, or stopped";
+  for (size_t i = 1; i < pending.size(); ++i) {
+    os << "\n[libfsdp watchdog] rank " << rank << ": also pending: "
+       << describe_pending(pending[i]);
+  }
+  os << "\n[libfsdp watchdog] rank " << rank << ": aborting the job (MPI_Abort, exit status "
+     << kExitStatus << ")\n";
+  const std::string text = os.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+  // The other ranks stuck in the same collective time out within a poll
+  // period of this one: give them a moment to print theirs first.
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  MPI_Abort(MPI_COMM_WORLD, kExitStatus);
+  std::_Exit(kExitStatus);  // MPI_Abort does not return; in case it does
+}
+
+}  // namespace
+
+void configure_comm(const CommSettings& settings) { g_settings = settings; }
+
+const CommSettings& comm_settings() { return g_settings; }
+
+void start_watchdog(int world_rank, int world_size) {
+  if (g_watchdog != nullptr || g_settings.timeout_seconds <= 0) return;
+  const double timeout = g_settings.timeout_seconds;
+  // A tenth of the timeout, between 50 ms and 1 s: aborts within about
+  // timeout + 1 s + the 2 s grace, and costs nothing measurable.
+  const auto period = std::chrono::duration<double>(std::min(1.0, std::max(0.05, timeout / 10)));
+  g_watchdog = new Watchdog;
+  g_watchdog->thread = std::thread([w = g_watchdog, timeout, period, world_rank, world_size] {
+    std::unique_lock<std::mutex> lock(w->mu);
+    while (!w->cv.wait_for(lock, period, [w] { return w->stop; })) {
+      const std::vector<PendingEntry> pending = pending_snapshot();
+      if (!pending.empty() && pending.front().seconds > timeout) {
+        report_and_abort(pending, world_rank, world_size, timeout);
+      }
+    }
+  });
+}
+
+void stop_watchdog() {
+  if (g_watchdog == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_watchdog->mu);
+    g_watchdog->stop = true;
+  }
+  g_watchdog->cv.notify_all();
+  g_watchdog->thread.join();
+  delete g_watchdog;
+  g_watchdog = nullptr;
+}
+
+}  // namespace fsdp::detail
