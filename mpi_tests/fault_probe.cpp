@@ -9,15 +9,22 @@
 //   fault_probe mismatch   the last rank issues an all-gather instead
 //   fault_probe kill       the last rank dies of SIGKILL
 //   fault_probe segv       the last rank dies of SIGSEGV
+//   fault_probe unit       the last rank sleeps instead of running a
+//                          fully_shard model's forward (the watchdog names
+//                          the FSDP unit whose all-gather is stuck)
 //
 // Exit status: 0 if the collective completed (a failed test), 3 if the
 // library threw (printed as "fault_probe: rank R caught <type>: <what>").
 #include <fsdp/comm.h>
 #include <fsdp/errors.h>
+#include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
 #include <fsdp/runtime.h>
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 
 #include <chrono>
 #include <csignal>
@@ -28,8 +35,8 @@
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode != "stall" && mode != "sigstop" && mode != "mismatch" && mode != "kill" &&
-      mode != "segv") {
-    std::cerr << "usage: fault_probe stall|sigstop|mismatch|kill|segv\n";
+      mode != "segv" && mode != "unit") {
+    std::cerr << "usage: fault_probe stall|sigstop|mismatch|kill|segv|unit\n";
     return 2;
   }
   fsdp::RuntimeOptions options;
@@ -41,6 +48,15 @@ int main(int argc, char** argv) {
   at::Tensor t = at::ones({1024});
   group->all_reduce(t);
   const bool faulty = rt.world_rank() == n - 1;
+  if (mode == "unit") {
+    torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 64));
+    auto model = fsdp::fully_shard(net);
+    if (faulty) std::this_thread::sleep_for(std::chrono::hours(1));
+    model(at::ones({4, 64})).sum().backward();
+    std::cerr << "fault_probe: rank " << rt.world_rank() << ": the step completed\n";
+    return 0;
+  }
   try {
     if (faulty && mode == "stall") std::this_thread::sleep_for(std::chrono::hours(1));
     if (faulty && mode == "sigstop") std::raise(SIGSTOP);
