@@ -201,7 +201,11 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   int64_t start = 0;
   std::string resumed_from;
   if (cfg.resume) {
-    LoadedCheckpoint ckpt = read_checkpoint(cfg.out, numerics, rank, world);
+    // Verified on every rank (checksums, shapes against this rank's shards,
+    // step, flags, NaN/Inf), agreed over the world; falls back to an older
+    // complete checkpoint if checkpoint/ is missing or damaged.
+    LoadedCheckpoint ckpt = resume_checkpoint(cfg.out, numerics, local_state(sharded), rank, world);
+    if (lead && !ckpt.fallback_note.empty()) std::cerr << ckpt.fallback_note << std::endl;
     load_local_state(sharded, ckpt.shards);
     load_optimizer_state(ckpt, names, opt);
     start = ckpt.step;
