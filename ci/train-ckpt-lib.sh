@@ -82,10 +82,12 @@ same_run() {
   done
 }
 
+# finish <name>: ends the script, status 1 if anything failed.
 finish() {
   if [ "$fail" -ne 0 ]; then
     echo "$1: FAILED"
     exit 1
   fi
   echo "$1: PASSED"
+  exit 0
 }
