@@ -5,6 +5,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/runtime.h"
+#include "sharding/query.h"
 #include "sharding/state.h"
 
 #include <ATen/ATen.h>
@@ -115,6 +116,72 @@ FsdpDims fsdp_dims(const DeviceMesh& mesh, const FullyShardOptions& o, const cha
                                      "dim of " + mesh.to_string());
   }
   return d;
+}
+
+// Each entry of ignored_params / replicate_params must be a parameter. The
+// same list may be passed to every fully_shard call of a model (L1-06), so
+// an entry outside this unit's modules may belong to another part of the
+// model; what is rejected is what can be told here not to be one: an
+// undefined tensor; a view or copy of a parameter of these modules (its
+// detach(), data(), a slice) rather than the parameter itself, which was
+// silently sharded; a tensor computed by an operation (a grad_fn); a
+// tensor outside these modules that requires no gradient (a plain tensor;
+// a frozen parameter elsewhere belongs in the list of the call whose module
+// holds it); and a parameter another unit already shards (ignoring or
+// replicating it here would change nothing).
+void check_param_list(const char* argument, const std::vector<at::Tensor>& list,
+                      const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  if (list.empty()) return;
+  std::unordered_set<const c10::TensorImpl*> in_modules;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    for (const auto& item : modules[mi]->named_parameters(/*recurse=*/true)) {
+      in_modules.insert(item.value().unsafeGetTensorImpl());
+      params.emplace_back(prefix + item.key(), item.value());
+    }
+  }
+  const auto managed = detail::managed_grads();
+  const bool ignoring = std::string(argument) == "ignored_params";
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    const std::string which = "fully_shard: '" + std::string(argument) + "'[" +
+                              std::to_string(i) + "]";
+    const std::string accepted =
+        "; accepted: parameters of 'module' (the tensors module->parameters() lists), or of "
+        "another part of the model when the same list is passed to every fully_shard call";
+    if (!t.defined()) throw ArgumentError(argument, which + " is an undefined tensor" + accepted);
+    const std::string shape = " (shape " + shape_str(t.sizes()) + ")";
+    if (auto it = managed.find(t.unsafeGetTensorImpl()); it != managed.end()) {
+      bool sharded = false;
+      for (const auto& p : it->second.placements) {
+        sharded = sharded || p.is_shard() || p.is_strided_shard();
+      }
+      if (ignoring || sharded) {
+        throw ArgumentError(argument, which + shape + " is parameter '" + it->second.name +
+                                          "' of another unit, which already " +
+                                          (sharded ? "shards" : "manages") +
+                                          " it; list it in that unit's fully_shard call");
+      }
+      continue;  // replicated by another unit too: the shared list of L1 models
+    }
+    if (in_modules.count(t.unsafeGetTensorImpl()) != 0) continue;
+    for (const auto& [name, p] : params) {
+      if (t.is_alias_of(p)) {
+        throw ArgumentError(argument, which + shape + " shares storage with parameter '" + name +
+                                          "' but is another tensor (a detach(), data() or "
+                                          "slice of it); pass the parameter itself" + accepted);
+      }
+    }
+    if (t.grad_fn()) {
+      throw ArgumentError(argument, which + shape + " is computed by an operation (it has a "
+                                        "grad_fn), so it is no parameter" + accepted);
+    }
+    if (!t.requires_grad()) {
+      throw ArgumentError(argument, which + shape + " is not a parameter of 'module' and "
+                                        "requires no gradient (a plain tensor)" + accepted);
+    }
+  }
 }
 
 // FSDP's placement of one parameter (on the tensor the module computes with)
@@ -343,6 +410,8 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
                           "'replicate_params'; it can be one or the other");
     }
   }
+  check_param_list("ignored_params", options.ignored_params, modules);
+  check_param_list("replicate_params", options.replicate_params, modules);
   std::unordered_map<const c10::TensorImpl*, size_t> dtensor_of;
   for (size_t i = 0; i < options.dtensor_params.size(); ++i) {
     const DTensor& dt = options.dtensor_params[i].param;
@@ -692,6 +761,23 @@ void FSDPModule::load_state_dict(const std::vector<std::pair<std::string, DTenso
   UnitState& u = unit();
   for (const auto& [name, dt] : state) {
     auto& p = param_named(u, name);
+    if (!dt.defined()) {
+      throw ArgumentError("state", "load_state_dict: 'state' entry '" + name +
+                                       "' is an undefined DTensor");
+    }
+    // Placements are read on the entry's own mesh: on another one (other
+    // ranks, or another shape) equal placements meant other rows, and the
+    // values loaded were wrong.
+    const DeviceMesh& own = *p.layout().spmd_mesh;
+    const DeviceMesh& theirs = dt.device_mesh();
+    if (theirs.device_type() != own.device_type() || theirs.shape() != own.shape() ||
+        theirs.world_ranks() != own.world_ranks()) {
+      throw MeshError("state", "load_state_dict: 'state' entry '" + name + "' is a DTensor on " +
+                                   theirs.to_string() + ", but the unit's parameter lives on " +
+                                   own.to_string() + "; accepted: a DTensor on the same ranks "
+                                   "(same device type and shape), or a tensor of the local or "
+                                   "global shape");
+    }
     const auto& placements = p.layout().spmd_placements;
     if (dt.shape() != p.layout().global_shape) {
       throw ShapeError("state", "load_state_dict: 'state' entry '" + name + "' has global shape " +
