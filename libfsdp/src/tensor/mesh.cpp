@@ -5,6 +5,8 @@
 #include "fsdp/errors.h"
 #include "comm/process_group.h"
 
+#include <ATen/Context.h>
+
 #include <algorithm>
 #include <set>
 #include <sstream>
@@ -349,6 +351,14 @@ DeviceMesh init_device_mesh(c10::DeviceType device_type, const std::vector<int64
     throw MeshError("device_type", std::string("init_device_mesh: 'device_type' = ") +
                                        c10::DeviceTypeName(device_type, true) +
                                        "; accepted: cpu, cuda");
+  }
+  // A CUDA mesh on a machine without CUDA used to be built anyway: its
+  // groups ran on MPI and the mesh claimed a device nothing could use.
+  if (device_type == c10::kCUDA && (!at::hasCUDA() || at::getNumGPUs() == 0)) {
+    throw MeshError("device_type",
+                    "init_device_mesh: 'device_type' = cuda, but this process sees no CUDA "
+                    "device (LibTorch built without CUDA, or no GPU visible); accepted here: "
+                    "cpu");
   }
   if (shape.empty()) {
     throw MeshError("shape", "init_device_mesh: 'shape' is empty; give at least one dimension");
