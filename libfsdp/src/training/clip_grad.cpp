@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -131,6 +132,12 @@ Plan make_plan(const char* fn, const std::vector<at::Tensor>& parameters) {
 // LibTorch's fp32 norm kernel loses ~1e-4 relative over millions of elements
 // (7e-4 measured on the 8.4M-element output layer of L3-05), far above the
 // plan's 1e-5; max (p = inf) is exact in any dtype.
+// max that propagates NaN, as torch's inf-norm does (std::max(0, NaN) is 0).
+double nan_max(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN()
+                                        : std::max(a, b);
+}
+
 double local_share(const std::vector<at::Tensor>& grads, double p) {
   const bool inf = std::isinf(p);
   std::map<std::string, std::vector<at::Tensor>> by_device;
@@ -143,7 +150,7 @@ double local_share(const std::vector<at::Tensor>& grads, double p) {
   double share = 0;
   for (auto& [device, norms] : by_device) {
     const at::Tensor n = at::stack(norms).cpu();
-    share = inf ? std::max(share, n.max().item<double>()) : share + n.pow(p).sum().item<double>();
+    share = inf ? nan_max(share, n.max().item<double>()) : share + n.pow(p).sum().item<double>();
   }
   return share;
 }
@@ -154,11 +161,22 @@ double total_norm(const Plan& plan, double p) {
   for (const auto& b : plan.buckets) {
     double share = local_share(b.grads, p);
     for (const auto& g : b.groups) {
-      at::Tensor t = at::full({1}, share, at::TensorOptions().dtype(at::kDouble));
-      g->all_reduce(t, inf ? ReduceOp::MAX : ReduceOp::SUM);
-      share = t.item<double>();
+      if (inf) {
+        // MPI's MAX drops NaN too: a NaN flag travels beside the value.
+        const bool nan = std::isnan(share);
+        at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+        t[0] = nan ? 0.0 : share;
+        t[1] = nan ? 1.0 : 0.0;
+        g->all_reduce(t, ReduceOp::MAX);
+        share = t[1].item<double>() > 0 ? std::numeric_limits<double>::quiet_NaN()
+                                        : t[0].item<double>();
+      } else {
+        at::Tensor t = at::full({1}, share, at::TensorOptions().dtype(at::kDouble));
+        g->all_reduce(t, ReduceOp::SUM);
+        share = t.item<double>();
+      }
     }
-    total = inf ? std::max(total, share) : total + share;
+    total = inf ? nan_max(total, share) : total + share;
   }
   return inf ? total : std::pow(total, 1.0 / p);
 }
@@ -170,7 +188,7 @@ double clip(const char* fn, const std::vector<at::Tensor>& parameters, double ma
   if (error_if_nonfinite && !std::isfinite(total)) {
     throw ArgumentError("parameters",
                         std::string(fn) + ": the total norm of order " + num_str(norm_type) +
-                            " of the gradients is " + num_str(total) +
+                            " of the gradients of 'parameters' is " + num_str(total) +
                             "; with error_if_nonfinite the gradients must be finite");
   }
   // torch's rule: scale whenever the coefficient is below 1 (or NaN, which
