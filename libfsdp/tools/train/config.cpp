@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <limits>
 
 #ifndef FSDP_TRAIN_CORPUS
 #error "FSDP_TRAIN_CORPUS must name the source tree's data/corpus/corpus.txt"
@@ -12,6 +14,21 @@
 namespace fsdp_train {
 
 namespace {
+
+// A flag error found while parsing, before any file is read: a
+// CLI::ParseError with fsdp-train's flag-error exit status 2, printed by the
+// failure message add_flags installs as the one line a ConfigError gives.
+struct FlagError : CLI::ParseError {
+  explicit FlagError(std::string msg) : CLI::ParseError(std::move(msg), 2) {}
+};
+
+// Bounds that keep the products of the flags (tokens per step, the
+// attention's seq x seq, loop counters) far from int64 overflow; a demo job
+// stays well inside them.
+constexpr int64_t kMaxSteps = 1000000000;           // 1e9 optimizer steps
+constexpr int64_t kMaxTokensPerStep = int64_t{1} << 31;  // --batch x (--seq + 1)
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxExperts = 1024;
 
 int64_t parse_dim(const std::string& text, const std::string& spec) {
   size_t used = 0;
@@ -36,8 +53,11 @@ void resolve_pipeline(TrainConfig& cfg) {
   if (cfg.schedule.empty()) cfg.schedule = "1f1b";
   const bool interleaved = cfg.schedule == "interleaved";
   if (cfg.stages_per_rank == 0) cfg.stages_per_rank = interleaved ? 2 : 1;
-  if (cfg.stages_per_rank < 1) {
-    throw ConfigError(fmt::format("--stages-per-rank {}: must be >= 1", cfg.stages_per_rank));
+  // Each stage holds at least one layer: bounded by --layers before
+  // --pp x --stages-per-rank is formed.
+  if (cfg.stages_per_rank < 1 || cfg.stages_per_rank > cfg.layers) {
+    throw ConfigError(fmt::format("--stages-per-rank {}: must be in [1, --layers {}]",
+                                  cfg.stages_per_rank, cfg.layers));
   }
   if (cfg.stages_per_rank > 1 && !interleaved) {
     throw ConfigError(fmt::format(
@@ -101,7 +121,9 @@ void resolve_moe(TrainConfig& cfg, int world_size) {
   if (cfg.experts == 0) cfg.experts = 4;
   if (cfg.top_k == 0) cfg.top_k = 2;
   if (cfg.ep == 0) cfg.ep = 1;
-  if (cfg.experts < 1) throw ConfigError(fmt::format("--experts {}: must be >= 1", cfg.experts));
+  if (cfg.experts < 1 || cfg.experts > kMaxExperts) {
+    throw ConfigError(fmt::format("--experts {}: must be in [1, {}]", cfg.experts, kMaxExperts));
+  }
   if (cfg.top_k < 1 || cfg.top_k > cfg.experts) {
     throw ConfigError(fmt::format("--top-k {}: must be in [1, --experts {}]", cfg.top_k,
                                   cfg.experts));
@@ -157,6 +179,13 @@ double TrainConfig::tolerance() const {
 
 void add_flags(CLI::App& app, TrainConfig& cfg) {
   cfg.data = FSDP_TRAIN_CORPUS;
+  // FlagErrors print as ConfigErrors do; CLI11's own errors keep its format.
+  app.failure_message([](const CLI::App* a, const CLI::Error& e) -> std::string {
+    if (dynamic_cast<const FlagError*>(&e) != nullptr) {
+      return std::string("fsdp-train: error: ") + e.what() + "\n";
+    }
+    return CLI::FailureMessage::simple(a, e);
+  });
   app.add_option("--mesh", cfg.mesh,
                  "the data-parallel mesh: N (1-D FSDP) or RxS (HSDP: R replicas x S shards); "
                  "the product times --tp times --pp must be the world size [default: 1-D, "
@@ -229,11 +258,38 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
       ->capture_default_str();
   app.add_option("--seq", cfg.seq, "sequence length in bytes")->capture_default_str();
   app.add_option("--lr", cfg.lr, "AdamW learning rate (weight decay 0)")->capture_default_str();
-  app.add_option("--seed", cfg.seed, "initial weights and batches")->capture_default_str();
+  // CLI11 reads "-1" into the unsigned seed as 2^64 - 1: refused on the text.
+  app.add_option("--seed", cfg.seed, "initial weights and batches, in [0, 2^64 - 1]")
+      ->each([](const std::string& text) {
+        const auto first = text.find_first_not_of(" \t");
+        if (first != std::string::npos && text[first] == '-') {
+          throw FlagError(fmt::format("--seed {}: must be an integer in [0, {}]", text,
+                                      std::numeric_limits<uint64_t>::max()));
+        }
+      })
+      ->capture_default_str();
   app.add_option("--clip", cfg.clip, "max global gradient norm (0: measure only)")
       ->capture_default_str();
   app.add_option("--out", cfg.out, "output directory")->capture_default_str();
-  app.add_option("--data", cfg.data, "training text, read as bytes")->capture_default_str();
+  // Checked here, before the corpus is read: a directory opened as a file
+  // ended in the stream's exception (and MPI_Abort).
+  app.add_option("--data", cfg.data, "training text, read as bytes (a regular file)")
+      ->each([](const std::string& path) {
+        std::error_code ec;
+        const auto status = std::filesystem::status(path, ec);
+        if (ec || !std::filesystem::exists(status)) {
+          throw FlagError(fmt::format("--data {}: no such file; accepted: a readable regular "
+                                      "file", path));
+        }
+        if (!std::filesystem::is_regular_file(status)) {
+          throw FlagError(fmt::format("--data {}: is {}, not a regular file; accepted: a "
+                                      "readable regular file",
+                                      path,
+                                      std::filesystem::is_directory(status) ? "a directory"
+                                                                            : "a special file"));
+        }
+      })
+      ->capture_default_str();
   app.add_option("--checkpoint-every", cfg.checkpoint_every,
                  "also checkpoint every N steps [default: at the end only]");
   app.add_flag("--resume", cfg.resume, "continue from <out>/checkpoint");
@@ -283,7 +339,9 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
           cfg.pp, world_size, world_size));
     }
   }
-  if (cfg.layers < 1) throw ConfigError(fmt::format("--layers {}: must be >= 1", cfg.layers));
+  if (cfg.layers < 1 || cfg.layers > kMaxLayers) {
+    throw ConfigError(fmt::format("--layers {}: must be in [1, {}]", cfg.layers, kMaxLayers));
+  }
   resolve_moe(cfg, world_size);
   const int64_t model_parallel = cfg.tp * cfg.pp;
   if (cfg.mesh.empty()) {
@@ -297,8 +355,11 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
                         parse_dim(cfg.mesh.substr(x + 1), cfg.mesh)};
     }
   }
+  // A dim above the world size cannot be part of a product equal to it (and
+  // could overflow the product).
   int64_t product = 1;
-  for (auto d : cfg.mesh_shape) product *= d;
+  for (auto d : cfg.mesh_shape) product = d > world_size ? int64_t{world_size} + 1 : product * d;
+  if (product > world_size) product = world_size + 1;
   if (product * model_parallel != world_size) {
     const std::string with = cfg.tp > 1   ? fmt::format(" with --tp {}", cfg.tp)
                              : cfg.pp > 1 ? fmt::format(" with --pp {}", cfg.pp)
@@ -313,12 +374,29 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
   // of the global batch, shared by the tp ranks there (by the stages of its
   // pipeline with --pp).
   cfg.dp_size = world_size / model_parallel;
-  if (cfg.steps < 1) throw ConfigError(fmt::format("--steps {}: must be >= 1", cfg.steps));
+  if (cfg.steps < 1 || cfg.steps > kMaxSteps) {
+    throw ConfigError(fmt::format("--steps {}: must be in [1, {}]", cfg.steps, kMaxSteps));
+  }
   if (cfg.seq < 1) throw ConfigError(fmt::format("--seq {}: must be >= 1", cfg.seq));
+  // Before --seq + 1 is formed (--seq 2^63 - 1 overflowed it).
+  if (cfg.seq >= data_bytes) {
+    throw ConfigError(fmt::format("--data {}: {} bytes, fewer than --seq + 1 (--seq {}); "
+                                  "accepted: --seq below the corpus size",
+                                  cfg.data, data_bytes, cfg.seq));
+  }
   if (cfg.batch < 1 || cfg.batch % cfg.dp_size != 0) {
     throw ConfigError(fmt::format(
         "--batch {}: the global batch must be a positive multiple of the data-parallel size {}",
         cfg.batch, cfg.dp_size));
+  }
+  // --batch x (--seq + 1) tokens are drawn per step: 2^62 sequences
+  // overflowed the product and ended in a LibTorch stack trace.
+  if (cfg.batch > kMaxTokensPerStep / (cfg.seq + 1)) {
+    throw ConfigError(fmt::format(
+        "--batch {}: --batch x (--seq + 1) = {} x {} tokens per step exceeds {}; accepted: "
+        "--batch <= {} at --seq {}",
+        cfg.batch, cfg.batch, cfg.seq + 1, kMaxTokensPerStep,
+        kMaxTokensPerStep / (cfg.seq + 1), cfg.seq));
   }
   if (cfg.pipelined()) resolve_pipeline(cfg);
   if (!(cfg.lr > 0) || !std::isfinite(cfg.lr)) {
@@ -332,12 +410,12 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
   }
   if (cfg.log_every < 0) throw ConfigError(fmt::format("--log-every {}: must be >= 0", cfg.log_every));
   if (cfg.log_every == 0) cfg.log_every = cfg.steps > 200 ? cfg.steps / 100 : 1;
-  if (cfg.verify_tol < 0) throw ConfigError("--verify-tol: must be > 0");
-  if (cfg.out.empty()) throw ConfigError("--out: empty path");
-  if (data_bytes < cfg.seq + 1) {
-    throw ConfigError(fmt::format("--data {}: {} bytes, fewer than --seq + 1 = {}", cfg.data,
-                                  data_bytes, cfg.seq + 1));
+  // NaN passed the old `< 0` test (and meant the default); inf let every
+  // comparison pass.
+  if (!(cfg.verify_tol >= 0) || !std::isfinite(cfg.verify_tol)) {
+    throw ConfigError(fmt::format("--verify-tol {}: must be a finite number > 0", cfg.verify_tol));
   }
+  if (cfg.out.empty()) throw ConfigError("--out: empty path");
 }
 
 nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t data_bytes,
