@@ -32,9 +32,11 @@
 // finished first.
 //
 // Collective over the shard groups of the units involved (one all-reduce of
-// a scalar per distinct shard group of more than one rank; none for a world
-// of one rank or a (replicate, 1) mesh): every rank must call it with the
-// same parameters in the same order.
+// a scalar per distinct shard group of more than one rank -- for the
+// inf-norm two doubles, the value and a NaN flag, since MAX drops NaN; none
+// for a world of one rank or a (replicate, 1) mesh): every rank must call it
+// with the same parameters in the same order. NaN gradients give a NaN
+// norm for every norm_type, the inf-norm included.
 //
 // Errors (ArgumentError naming the argument, thrown on every rank before any
 // communication): max_norm NaN or <= 0; norm_type NaN, <= 0 or -inf; an

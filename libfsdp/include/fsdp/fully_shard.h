@@ -141,7 +141,9 @@ class FSDPModule {
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() const;
   // Accepts, per managed parameter name, a DTensor with matching placements,
   // a tensor of the local shard shape, or a tensor of the global shape.
-  // ShapeError naming the entry otherwise; unknown names -> ArgumentError.
+  // ShapeError naming the entry otherwise; unknown names -> ArgumentError;
+  // a DTensor on another mesh (other ranks or shape) -> MeshError naming
+  // "state", the entry and both meshes.
   void load_state_dict(const std::vector<std::pair<std::string, DTensor>>& state);
   void load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state);
 

@@ -116,7 +116,9 @@ class DeviceMesh {
 // Builds a mesh over all world ranks. shape: 1-3 dims (more are accepted),
 // each >= 1, product == world size. dim_names: empty (names "dim0", "dim1",
 // ...) or one unique non-empty name per dim. Throws MeshError naming the
-// argument otherwise. Collective over MPI_COMM_WORLD.
+// argument otherwise; device_type cuda where this process sees no CUDA
+// device (a CPU build, or no GPU visible) is a MeshError naming
+// "device_type" too. Collective over MPI_COMM_WORLD.
 DeviceMesh init_device_mesh(c10::DeviceType device_type, const std::vector<int64_t>& shape,
                             const std::vector<std::string>& dim_names = {});
 // device_type as a string: "cpu" or "cuda".

@@ -98,7 +98,13 @@ struct FullyShardOptions {
   ShardPlacementFn shard_placement_fn;
   MixedPrecisionPolicy mp_policy;
   std::optional<CPUOffloadPolicy> offload_policy;
-  // Left as plain full tensors: never communicated.
+  // Left as plain full tensors: never communicated. Entries of this list
+  // and of replicate_params must be parameters -- of `module`, or of another
+  // part of the model when one list is passed to every fully_shard call.
+  // ArgumentError naming the list (with index and shape) for an undefined
+  // tensor, a detach()/data()/slice of a parameter of `module` instead of
+  // the parameter, a computed tensor (grad_fn), a tensor outside `module`
+  // that requires no gradient, or a parameter another unit already shards.
   std::vector<at::Tensor> ignored_params;
   // Managed but not sharded: full on every rank, gradients all-reduced.
   std::vector<at::Tensor> replicate_params;
