@@ -23,8 +23,9 @@
 //   ---------------------------------------------------------
 //   all                                 86          13      99
 //
-// plus test_inf_norm_propagates_nan (fixed now: the inf-norm of NaN
-// gradients was 0), not a throwing case. "fixed now" cases failed before
+// plus test_inf_norm_propagates_nan (fixed now: the inf-norm dropped NaN
+// gradients and returned the max of the rest, 0 when all were NaN), not a
+// throwing case. "fixed now" cases failed before
 // the library fix of this change (NOTES-badin.md lists them); the two
 // CUDA-less init_device_mesh cases are skipped where CUDA is present.
 //
@@ -684,9 +685,9 @@ BOOST_AUTO_TEST_CASE(test_pipeline_bad_input) { run_cases(pipeline_cases()); }
 BOOST_AUTO_TEST_CASE(test_moe_bad_input) { run_cases(moe_cases()); }
 BOOST_AUTO_TEST_CASE(test_activation_checkpointing_bad_input) { run_cases(checkpoint_cases()); }
 
-// The inf-norm of gradients holding NaN is NaN, as torch's (it was 0:
-// std::max(0, NaN) and MPI's MAX drop NaN), on every rank: here only rank 0
-// holds the NaN, in its shard.
+// The inf-norm of gradients holding NaN is NaN, as torch's, on every rank
+// (std::max(x, NaN) and MPI's MAX dropped it: this case got 1, the max of
+// the other entries): here only rank 0 holds the NaN, in its shard.
 BOOST_AUTO_TEST_CASE(test_inf_norm_propagates_nan) {
   auto lin = linear();
   auto unit = fsdp::fully_shard(as_module(lin), base_options());
