@@ -17,23 +17,17 @@
 //   DTensor / placements                12           0      12
 //   clip_grad                            6           2       8
 //   tensor parallel                      8           0       8
-//   pipeline                             9           0       9
-//   moe                                  6           0       6
+//   pipeline                             9           1      10
+//   moe                                  6           3       9
 //   activation checkpointing             5           0       5
 //   ---------------------------------------------------------
-//   all                                 86          13      99
+//   all                                 86          17     103
 //
 // plus test_inf_norm_propagates_nan (fixed now: the inf-norm dropped NaN
 // gradients and returned the max of the rest, 0 when all were NaN), not a
-// throwing case. "fixed now" cases failed before
-// the library fix of this change (NOTES-badin.md lists them); the two
-// CUDA-less init_device_mesh cases are skipped where CUDA is present.
-//
-// Left out (3): typed and with the right argument(), but what() does not
-// quote the argument, and the fix lies outside this change's files:
-// pp::parse_schedule_kind("zigzag") ("schedule 'zigzag' is unknown"),
-// moe::routing_margin(scores, 0) and GroupedExperts::forward with counts
-// not summing to the rows (neither names 'top_k' / 'counts').
+// throwing case. "fixed now" cases failed before the library fix of their
+// change; the two CUDA-less init_device_mesh cases are skipped where CUDA
+// is present.
 #include "spmd.h"
 
 #include <fsdp/checkpoint.h>
@@ -568,7 +562,7 @@ std::vector<Case> tp_cases() {
 // pipeline
 
 std::vector<Case> pipeline_cases() {
-  const Outcome T = Outcome::Typed;
+  const Outcome T = Outcome::Typed, F = Outcome::Fixed;
   namespace pp = fsdp::pp;
   auto stage = [](std::shared_ptr<torch::nn::Module> m, int index, int n, fsdp::DeviceMesh mesh) {
     pp::PipelineStage(std::move(m), [](const at::Tensor& x) { return x; }, index, n,
@@ -603,6 +597,9 @@ std::vector<Case> pipeline_cases() {
       expect<ArgumentError>(T, "Schedule with no stages", "stages", [] {
         pp::Schedule(std::vector<pp::PipelineStage>{}, pp::ScheduleKind::GPipe, 2, pp::LossSpec{});
       }),
+      // The message did not quote 'schedule'.
+      expect<ArgumentError>(F, "parse_schedule_kind(\"zigzag\")", "schedule",
+                            [] { pp::parse_schedule_kind("zigzag"); }),
   };
 }
 
@@ -610,7 +607,7 @@ std::vector<Case> pipeline_cases() {
 // mixture of experts
 
 std::vector<Case> moe_cases() {
-  const Outcome T = Outcome::Typed;
+  const Outcome T = Outcome::Typed, F = Outcome::Fixed;
   namespace moe = fsdp::moe;
   return {
       expect<ArgumentError>(T, "TopKRouter with 0 experts", "num_experts",
@@ -628,6 +625,16 @@ std::vector<Case> moe_cases() {
       expect<ArgumentError>(T, "expert_options data_parallel_size 0", "data_parallel_size", [] {
         moe::GroupedExperts e(4, 8, 2 * world(), world_mesh());
         moe::expert_options(*e, base_options(), world_mesh(), 0.0);
+      }),
+      // These two named their argument without quoting it (and the margin
+      // blamed 'top_k' for a bad 'scores' shape).
+      expect<ArgumentError>(F, "routing_margin top_k 0", "top_k",
+                            [] { moe::routing_margin(at::rand({3, 4}), 0); }),
+      expect<ShapeError>(F, "routing_margin of 1-D scores", "scores",
+                         [] { moe::routing_margin(at::rand({4}), 1); }),
+      expect<ShapeError>(F, "GroupedExperts::forward counts not summing to the rows", "counts", [] {
+        moe::GroupedExperts e(4, 8, 2);
+        e->forward(at::zeros({3, 4}), {1, 1});
       }),
   };
 }
@@ -719,5 +726,5 @@ BOOST_AUTO_TEST_CASE(test_case_table_is_complete) {
   }
   BOOST_TEST(typed + fixed >= 60);
   BOOST_TEST(typed == 86);
-  BOOST_TEST(fixed == 13);
+  BOOST_TEST(fixed == 17);
 }

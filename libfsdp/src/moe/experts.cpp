@@ -51,7 +51,8 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const std::vector<in
   for (int64_t c : counts) rows += c;
   if (static_cast<int64_t>(counts.size()) != local_experts || x.dim() != 2 ||
       rows != x.size(0) || x.size(1) != dim) {
-    throw ShapeError("counts", "GroupedExperts: expected x [sum(counts), " + std::to_string(dim) +
+    throw ShapeError("counts", "GroupedExperts::forward: 'counts' and 'x' disagree: expected x "
+                               "[sum(counts), " + std::to_string(dim) +
                                    "] and " + std::to_string(local_experts) +
                                    " counts; got x " + std::string(c10::str(x.sizes())) +
                                    " and " + std::to_string(counts.size()) + " counts summing to " +

@@ -110,8 +110,14 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x) {
 }
 
 double routing_margin(const at::Tensor& scores, int64_t top_k) {
-  if (scores.dim() != 2 || top_k < 1 || top_k > scores.size(1)) {
-    throw ArgumentError("top_k", "routing_margin: expected scores [T, E] and 1 <= top_k <= E");
+  if (scores.dim() != 2) {
+    throw ShapeError("scores", "routing_margin: 'scores' has shape " +
+                                   std::string(c10::str(scores.sizes())) + "; expected [T, E]");
+  }
+  if (top_k < 1 || top_k > scores.size(1)) {
+    throw ArgumentError("top_k", "routing_margin: 'top_k' = " + std::to_string(top_k) +
+                                     "; accepted: 1.." + std::to_string(scores.size(1)) +
+                                     " (the experts in 'scores')");
   }
   return margin_of(std::get<0>(sort_scores(scores.detach().to(at::kFloat))), top_k);
 }

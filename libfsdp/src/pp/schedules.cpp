@@ -100,7 +100,7 @@ ScheduleKind parse_schedule_kind(const std::string& name) {
   for (auto k : {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B}) {
     if (name == to_string(k)) return k;
   }
-  throw ArgumentError("schedule", "schedule '" + name +
+  throw ArgumentError("schedule", "parse_schedule_kind: 'schedule' = '" + name +
                                       "' is unknown; accepted: gpipe, 1f1b, interleaved");
 }
 
