@@ -13,9 +13,8 @@ set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
-mpiexec="${MPIEXEC:-mpiexec}"
-read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
-np="${NP:-2}"
+# mpiexec, mpiexec_flags, np.
+source "$(dirname "${BASH_SOURCE[0]}")/train-ckpt-lib.sh"
 runs="${RUNS:-3}"
 rm -rf "$work" && mkdir -p "$work"
 

@@ -49,7 +49,7 @@ thread_local int recompute_depth = 0;
 class TraceUnit {
  public:
   explicit TraceUnit(UnitState& unit) {
-    trace::detail::set_unit_label(unit.id, unit.label());
+    unit.register_label();
     prev_ = trace::detail::swap_unit(unit.id);
   }
   ~TraceUnit() { trace::detail::swap_unit(prev_); }
@@ -441,6 +441,13 @@ std::shared_ptr<UnitState> UnitState::root() {
 }
 
 bool UnitState::is_root() { return root().get() == this; }
+
+void UnitState::register_label() {
+  const uint64_t gen = detail::registry().generation;
+  if (registered_label_generation_ == gen) return;
+  trace::detail::set_unit_label(id, label());
+  registered_label_generation_ = gen;
+}
 
 std::string UnitState::label() {
   const uint64_t gen = detail::registry().generation;

@@ -81,6 +81,9 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   // "block0", "head.0+head.1" (paths inside the root, or the module type):
   // for traces. Cached per unit set.
   std::string label();
+  // Hands label() to the trace registry (which the watchdog reads) once per
+  // change of the unit set, not on every hook.
+  void register_label();
   // label() and the unit id, "block0 #2": for error messages.
   std::string error_label();
   // lifecycle.transition, naming this unit if it throws.
@@ -114,6 +117,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   uint64_t context_generation_ = ~uint64_t{0};
   std::string label_;
   uint64_t label_generation_ = ~uint64_t{0};
+  uint64_t registered_label_generation_ = ~uint64_t{0};  // register_label()
   std::weak_ptr<UnitState> root_;
 };
 
