@@ -130,6 +130,20 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+  // The desync check adds communicators and an exchange per collective: a
+  // rank without it would leave the others waiting, so all ranks must agree.
+  int checks[2] = {check_collectives_ ? 1 : 0, check_collectives_ ? 0 : 1};
+  int agreed[2] = {0, 0};
+  detail::check_mpi(MPI_Allreduce(checks, agreed, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD),
+                    "MPI_Allreduce");
+  if (agreed[0] == 0 && agreed[1] == 0) {
+    if (owns_mpi_) MPI_Finalize();
+    throw ArgumentError("FSDP_DEBUG",
+                        std::string("FSDP_DEBUG / RuntimeOptions::check_collectives differ across "
+                                    "ranks (this rank: ") +
+                            (check_collectives_ ? "detail" : "off") +
+                            "); set it the same on every rank");
+  }
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
                                         MPI_INFO_NULL, &node),
