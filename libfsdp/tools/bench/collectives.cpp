@@ -217,6 +217,11 @@ double mean(const std::vector<double>& v) {
 }
 
 int run(const Options& o, const fsdp::Runtime& rt) {
+  const std::string problem = json_path_problem(o.json_path, MPI_COMM_WORLD);
+  if (!problem.empty()) {
+    if (rt.world_rank() == 0) std::cerr << "fsdp-bench collectives: " << problem << '\n';
+    return 1;
+  }
   const c10::ScalarType dtype = dtypes().at(o.dtype);
   const int n = rt.world_size();
   // A communicator of our own, so the raw calls and the harness's barriers

@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -234,6 +237,31 @@ void Report::row(const std::vector<Cell>& cells) {
   if (!table()) return;
   if (!headings_printed_) print_headings();
   std::cout << line << '\n' << std::flush;
+}
+
+std::string json_path_problem(const std::string& path, MPI_Comm comm) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  std::string problem;
+  if (rank == 0 && !path.empty() && path != "-") {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path file(path);
+    const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+    if (fs::is_directory(file, ec)) {
+      problem = "it is a directory";
+    } else if (!fs::is_directory(dir, ec)) {
+      problem = "the directory " + dir.string() + " does not exist";
+    } else if (::access(dir.c_str(), W_OK) != 0) {
+      problem = "the directory " + dir.string() + " is not writable (" + std::strerror(errno) + ")";
+    }
+    if (!problem.empty()) problem = fmt::format("--json {}: {}", path, problem);
+  }
+  int size = static_cast<int>(problem.size());
+  MPI_Bcast(&size, 1, MPI_INT, 0, comm);
+  problem.resize(static_cast<size_t>(size));
+  MPI_Bcast(problem.data(), size, MPI_CHAR, 0, comm);
+  return problem;
 }
 
 void Report::finish() {

@@ -39,6 +39,13 @@ std::string format_size(int64_t bytes);
 // byte count, so a bad size is reported by CLI11 like any other bad value.
 CLI::Validator size_argument();
 
+// ---- output ---------------------------------------------------------------
+// Why `--json PATH` could not be written ("" when it can, or when PATH is
+// empty or "-"), decided on rank 0 of `comm` -- the rank that writes it --
+// and the same on every rank, so a subcommand can refuse it before it runs.
+// Collective over `comm`.
+std::string json_path_problem(const std::string& path, MPI_Comm comm);
+
 // ---- timing ---------------------------------------------------------------
 struct TimingOptions {
   int warmup = 5;

@@ -717,6 +717,8 @@ int run(Options o, const fsdp::Runtime& rt) {
                         pp);
     }
   }
+  const std::string json_problem = json_path_problem(o.json_path, MPI_COMM_WORLD);
+  if (bad.empty()) bad = json_problem;
   if (!bad.empty()) {
     // Every rank sees the same numbers and returns alike.
     if (rank == 0) std::cerr << "fsdp-bench train: " << bad << '\n';
@@ -1084,7 +1086,17 @@ void add_train_command(CLI::App& app, Command& chosen) {
   sub->add_option("--vocab", o->vocab, "Vocabulary size")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
       ->default_str(std::to_string(defaults.vocab));
-  sub->add_option("--seed", o->seed, "Model and data seed")->capture_default_str();
+  // CLI11 would read "-1" into the unsigned seed as 2^64 - 1.
+  sub->add_option("--seed", o->seed, "Model and data seed, in [0, 2^64 - 1]")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            const auto first = text.find_first_not_of(" \t");
+            return first != std::string::npos && text[first] == '-'
+                       ? "must be an integer in [0, 2^64 - 1], not " + text
+                       : std::string();
+          },
+          "UINT64"))
+      ->capture_default_str();
   sub->add_flag("--forward-prefetch", o->forward_prefetch,
                 "FSDP configs: each unit's forward prefetches the next unit's all-gather "
                 "(set_modules_to_forward_prefetch); default off, as in plain fully_shard");
