@@ -740,11 +740,9 @@ BOOST_AUTO_TEST_CASE(test_collective_counters_count_each_call_and_reset) {
 
 // Both ranks of each pair send first: a queued blocking send would deadlock
 // past MPI's eager limit, so point-to-point must start at once.
-BOOST_AUTO_TEST_CASE(test_send_recv_exchange_both_send_first) {
+BOOST_AUTO_TEST_CASE(test_send_recv_exchange_both_send_first,
+                     *spmd::needs_even_world_size("to pair the ranks up")) {
   auto group = fsdp::world_group();
-  if (group->size() % 2 != 0) {
-    SPMD_SKIP("needs an even number of ranks to pair them up");
-  }
   const int me = group->rank();
   const int peer = me ^ 1;
   const int64_t n = 1 << 20;  // 4 MiB of float32, far past the eager limit
@@ -863,10 +861,9 @@ BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_send_and_recv_with_one_peer) {
 // posted in (receives first): rank 0 lists [send to 1, receive from 1];
 // rank 1 receives, says so, and sends only when told. Until then rank 0's
 // works[0] (its send) completes and works[1] (its receive) cannot.
-BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_works_in_the_order_given) {
-  if (spmd::device().is_cuda()) {
-    SPMD_SKIP("NCCL completes a batch together: its ops share one Work");
-  }
+BOOST_AUTO_TEST_CASE(test_batch_isend_irecv_works_in_the_order_given,
+                     *spmd::needs_device(c10::kCPU, "NCCL completes a batch together: its ops "
+                                                    "share one Work")) {
   constexpr int kSignalTag = 13;
   auto g = fsdp::init_device_mesh(spmd::device().type(), {spmd::world_size()}).get_group(0);
   const int me = g->rank();

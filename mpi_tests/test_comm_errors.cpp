@@ -535,8 +535,8 @@ BOOST_AUTO_TEST_CASE(test_wait_with_timeout) {
 // MPI failures reach the caller as CommError with MPI's own words (the
 // communicators return errors instead of aborting the job): a receive into
 // a buffer smaller than the message is MPI_ERR_TRUNCATE.
-BOOST_AUTO_TEST_CASE(test_mpi_failure_is_comm_error) {
-  if (!spmd::device().is_cpu()) SPMD_SKIP("MPI's truncation error is a CPU-tensor (MPI) case");
+BOOST_AUTO_TEST_CASE(test_mpi_failure_is_comm_error,
+                     *spmd::needs_device(c10::kCPU, "MPI's truncation error (the MPI backend)")) {
   ProcessGroup& g = *test_groups().front();
   if (g.rank() == 0) {
     g.send(at::ones({8}, opts()), 1, /*tag=*/5);

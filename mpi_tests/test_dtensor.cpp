@@ -31,6 +31,11 @@ using Shape = std::vector<int64_t>;
 
 int world() { return spmd::world_size(); }
 
+boost::unit_test::precondition even_world_of_4_or_more(const std::string& reason) {
+  return spmd::skip_unless([] { return world() >= 4 && world() % 2 == 0; },
+                           "needs an even world size >= 4: " + reason);
+}
+
 struct Mesh {
   fsdp::DeviceMesh mesh;
   Shape shape;
@@ -281,8 +286,7 @@ BOOST_AUTO_TEST_CASE(partial_to_replicate_and_shard) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(partial_on_2d_mesh) {
-  if (world() < 4 || world() % 2 != 0) SPMD_SKIP("needs an even world size >= 4");
+BOOST_AUTO_TEST_CASE(partial_on_2d_mesh, *even_world_of_4_or_more("a (2, w/2) mesh")) {
   const Shape mesh_shape{2, world() / 2};
   const fsdp::DeviceMesh mesh =
       fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"replicate", "shard"});
@@ -652,8 +656,8 @@ BOOST_AUTO_TEST_CASE(strided_shard_placement_basics) {
 // = (2, 2) with [StridedShard(0, sf=2), Shard(0)], and its uneven cousins.
 // Row ranges per world rank r = (dp = r / 2, tp = r % 2), worked out by hand:
 // tp piece j = ceil-div of n over 2, then dp part i = ceil-div of that piece.
-BOOST_AUTO_TEST_CASE(strided_shard_ownership_np4) {
-  if (world() != 4) SPMD_SKIP("the hand-written ownership tables are for 4 ranks");
+BOOST_AUTO_TEST_CASE(strided_shard_ownership_np4,
+                     *spmd::needs_world_size(4, "the hand-written ownership tables are for 4 ranks")) {
   const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"dp", "tp"});
   const Placements strided{SS(0, 2), Placement::Shard(0)};
   struct Row {
@@ -787,8 +791,7 @@ BOOST_AUTO_TEST_CASE(strided_redistribute_between_layouts) {
 // FSDP's two moves on (dp, tp) = (2, w/2): the strided shard all-gathers
 // over dp alone back to the TP layout, and a dp-Partial TP-sharded gradient
 // reduce-scatters over dp alone into the strided shard.
-BOOST_AUTO_TEST_CASE(strided_shard_fsdp_collectives) {
-  if (world() < 4 || world() % 2 != 0) SPMD_SKIP("needs an even world size >= 4 for (2, w/2)");
+BOOST_AUTO_TEST_CASE(strided_shard_fsdp_collectives, *even_world_of_4_or_more("(2, w/2)")) {
   const Shape mesh_shape{2, world() / 2};
   const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"dp", "tp"});
   const Shape c = coordinate(mesh_shape);

@@ -396,9 +396,10 @@ fsdp::Sharded<Net> shard_expert_net(Net& net, const fsdp::DeviceMesh& world,
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
+BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit,
+                     *spmd::needs_world_size(4, "dense on the 4-rank mesh, experts on 2-rank "
+                                                "sub-meshes")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws != 4) SPMD_SKIP("needs 4 ranks: dense on the 4-rank mesh, experts on 2-rank sub-meshes");
   const auto dev = spmd::device().type();
   const auto world = fsdp::init_device_mesh(dev, {4}, {"dp"});
   // The same ranks as (ep, efsdp): experts are sharded over efsdp (2 ranks)
@@ -462,9 +463,9 @@ BOOST_AUTO_TEST_CASE(test_several_param_groups_in_one_unit) {
 // gradient_divide_factor: the expert group divides by 8 instead of its
 // mesh's 4 ranks, so its gradients are half the single-card mean. The unit's
 // mesh names its shard dim, which the experts' mesh does not have.
-BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
+BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group,
+                     *spmd::needs_world_size(4, "2-rank expert sub-meshes")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws != 4) SPMD_SKIP("needs 4 ranks (2-rank expert sub-meshes)");
   const auto dev = spmd::device().type();
   const auto world = fsdp::init_device_mesh(dev, {1, 4}, {"replicate", "shard"});
   const auto sparse = fsdp::init_device_mesh(dev, {2, 2}, {"ep", "efsdp"});
@@ -499,9 +500,9 @@ BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group) {
 // (replicate, efsdp) mesh has the replicate name but not the shard dim's,
 // so its dims are positional (replicate, shard) -- no MeshError asking for
 // a shard dim that mesh cannot have.
-BOOST_AUTO_TEST_CASE(test_expert_mesh_without_the_units_shard_dim) {
+BOOST_AUTO_TEST_CASE(test_expert_mesh_without_the_units_shard_dim,
+                     *spmd::needs_world_size(4, "2-rank expert sub-meshes")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws != 4) SPMD_SKIP("needs 4 ranks (2-rank expert sub-meshes)");
   const auto dev = spmd::device().type();
   const auto world = fsdp::init_device_mesh(dev, {1, 4}, {"replicate", "dense"});
   const auto sparse = fsdp::init_device_mesh(dev, {2, 2}, {"replicate", "efsdp"});
@@ -695,10 +696,9 @@ BOOST_AUTO_TEST_CASE(test_failed_pass_keeps_earlier_accumulation) {
 // Reshard returns the unsharded parameters' device memory (CUDA: the
 // caching allocator's allocated bytes fall back to the level before the
 // gather). The CPU form is test_fully_shard_with_ac's tracking allocator.
-BOOST_AUTO_TEST_CASE(test_reshard_frees_device_memory) {
-  if (!spmd::device().is_cuda()) {
-    SPMD_SKIP("CPU run: the CUDA caching allocator form runs under the gpu labels");
-  }
+BOOST_AUTO_TEST_CASE(test_reshard_frees_device_memory,
+                     *spmd::needs_device(c10::kCUDA, "the CUDA caching allocator's bytes (the CPU "
+                                                     "form is in test_fully_shard_with_ac)")) {
 #ifdef FSDP_WITH_NCCL
   const auto dev = spmd::device();
   auto allocated = [&dev] {
@@ -725,9 +725,9 @@ BOOST_AUTO_TEST_CASE(test_reshard_frees_device_memory) {
 // tp-replicated parameter with identical gradients and a TP-sharded one get
 // no tp communication. Gradients equal a single-process autograd run of the
 // global objective (mean over dp rows of replicated + every tp part).
-BOOST_AUTO_TEST_CASE(test_partial_tp_gradients_reduced_over_tp) {
+BOOST_AUTO_TEST_CASE(test_partial_tp_gradients_reduced_over_tp,
+                     *spmd::needs_even_world_size("tp = 2")) {
   const int ws = spmd::world_size();
-  if (ws % 2 != 0) SPMD_SKIP("needs an even world size for tp = 2");
   const int64_t dp = ws / 2, tp = 2, D = 6, S = 4;  // S rows per tp rank
   const auto mesh = fsdp::init_device_mesh(spmd::device().type(), {dp, tp}, {"shard", "tp"});
   const int64_t d = mesh.get_local_rank("shard"), j = mesh.get_local_rank("tp");

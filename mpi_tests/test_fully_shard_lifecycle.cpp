@@ -510,7 +510,6 @@ std::vector<Layout> exception_layouts() {
 // Reference: AdamW on the batches of steps 1 and 3 only.
 void run_exception_case(Failure failure, bool reshard_after_forward, bool comm_fusion) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks");
   std::ostringstream id;
   id << failure_id(failure) << " exception " << failure_name(failure)
      << " reshard_after_forward=" << (reshard_after_forward ? "true" : "false")
@@ -579,7 +578,8 @@ void run_exception_case(Failure failure, bool reshard_after_forward, bool comm_f
 
 }  // namespace
 
-BOOST_AUTO_TEST_SUITE(exceptions_leave_nothing_behind)
+BOOST_AUTO_TEST_SUITE(exceptions_leave_nothing_behind,
+                      *spmd::needs_world_size_at_least(2, "collectives between ranks"))
 
 BOOST_AUTO_TEST_CASE(exception_in_forward_reshard_after_forward) {
   run_exception_case(Failure::kForward, true, false);
@@ -618,9 +618,9 @@ BOOST_AUTO_TEST_SUITE(params_without_grad_keep_none)
 
 // (i) block1.spare is registered but never used: on every rank it gets no
 // gradient; AdamW (weight_decay > 0) skips it, so it stays bit-identical.
-BOOST_AUTO_TEST_CASE(unused_param_has_no_grad_and_is_not_decayed) {
+BOOST_AUTO_TEST_CASE(unused_param_has_no_grad_and_is_not_decayed,
+                     *spmd::needs_world_size_at_least(2, "collectives between ranks")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks");
   const Layout layout = layout_1d();
   Report report("LC-2i unused parameter keeps no grad", layout.configuration);
   ChainOptions o;
@@ -672,9 +672,9 @@ BOOST_AUTO_TEST_CASE(unused_param_has_no_grad_and_is_not_decayed) {
 // (ii) block1 has branch_a / branch_b: even ranks use a, odd ranks b. Each
 // branch's sharded gradient is the mean over ranks with zeros from the
 // ranks that did not use it; every rank holds its shard of it.
-BOOST_AUTO_TEST_CASE(param_with_grad_on_some_ranks_gets_mean_with_zeros) {
+BOOST_AUTO_TEST_CASE(param_with_grad_on_some_ranks_gets_mean_with_zeros,
+                     *spmd::needs_world_size_at_least(2, "one per branch")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks (one per branch)");
   const Layout layout = layout_1d();
   Report report("LC-2ii rank-dependent branch", layout.configuration);
   ChainOptions o;
@@ -718,9 +718,9 @@ BOOST_AUTO_TEST_CASE(param_with_grad_on_some_ranks_gets_mean_with_zeros) {
 // (iii) block1's output is computed and dropped: after backward every unit is
 // resharded (each parameter has its local shard shape) and block1's
 // parameters have no gradients.
-BOOST_AUTO_TEST_CASE(unit_with_unused_output_is_resharded_without_grads) {
+BOOST_AUTO_TEST_CASE(unit_with_unused_output_is_resharded_without_grads,
+                     *spmd::needs_world_size_at_least(2, "collectives between ranks")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks");
   const Layout layout = layout_1d();
   for (const bool raf : {true, false}) {
     const std::string id = std::string("LC-2iii unit output unused reshard_after_forward=") +
@@ -772,9 +772,9 @@ BOOST_AUTO_TEST_SUITE(independent_roots)
 // LC-4: two independent sharded models A and B (different sizes) in one
 // process, each with its own AdamW; (interleaved) forward A, forward B,
 // backward A, backward B; (joint) one backward of loss_a + loss_b.
-BOOST_AUTO_TEST_CASE(two_models_trained_interleaved) {
+BOOST_AUTO_TEST_CASE(two_models_trained_interleaved,
+                     *spmd::needs_world_size_at_least(2, "collectives between ranks")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks");
   const Layout layout = layout_1d();
   for (const bool joint : {false, true}) {
     const std::string id = std::string("LC-4 two models ") +
@@ -834,9 +834,9 @@ BOOST_AUTO_TEST_CASE(two_models_trained_interleaved) {
 // own (blocks, then the stage root); y = stage1(stage0(x)). (joint) one
 // backward through both; (pp) stage 1's backward from a detached stage-0
 // output that requires grad, then stage 0's backward from that input's grad.
-BOOST_AUTO_TEST_CASE(two_pipeline_stage_roots_on_one_rank) {
+BOOST_AUTO_TEST_CASE(two_pipeline_stage_roots_on_one_rank,
+                     *spmd::needs_world_size_at_least(2, "collectives between ranks")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks");
   const Layout layout = layout_1d();
   for (const bool pp : {false, true}) {
     const std::string id = std::string("LC-5 two stage roots ") +
@@ -935,9 +935,9 @@ BOOST_AUTO_TEST_SUITE(same_collectives_whatever_the_data)
 // where (r + b) % 3 == 0, so which units see every gradient, and hence when
 // each unit's post-backward is ready, differs per rank. Every sub-layer is
 // used on some rank (so every parameter gets a gradient on every rank).
-BOOST_AUTO_TEST_CASE(rank_dependent_unused_params_same_collectives) {
+BOOST_AUTO_TEST_CASE(rank_dependent_unused_params_same_collectives,
+                     *spmd::needs_world_size_at_least(2, "collectives between ranks")) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  if (ws < 2) SPMD_SKIP("needs at least 2 ranks");
   const Layout layout = layout_1d();
   Report report("LC-3 rank-dependent unused sub-layers", layout.configuration);
   ChainOptions o;

@@ -31,8 +31,9 @@
 #include <vector>
 
 // Cases that count collectives or compare shards need a sharded world.
-#define MULTI_RANK_ONLY() \
-  if (spmd::world_size() < 2) SPMD_SKIP("needs >= 2 ranks (collectives and shards)")
+boost::unit_test::precondition multi_rank() {
+  return spmd::needs_world_size_at_least(2, "collectives and shards");
+}
 
 namespace {
 
@@ -172,8 +173,7 @@ double chain_grad_err(ShardedChain& c, int64_t seed, const toy::Batch& global) {
 // ============================================================================
 // L1-01: set_reshard_after_forward / set_reshard_after_backward at run time.
 // ============================================================================
-BOOST_AUTO_TEST_CASE(test_dynamic_reshard_control) {  // L1-01
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_dynamic_reshard_control, *multi_rank()) {  // L1-01
   const int ws = spmd::world_size();
   l1::Report rep("L1-01");
   const int64_t seed = 11;
@@ -343,8 +343,8 @@ toy::Batch replica_rows(const toy::Batch& global, int replica) {
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce) {  // L1-02
-  if (spmd::world_size() != 4) SPMD_SKIP("needs 4 ranks for a 2x2 (replicate, shard) mesh");
+BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce,  // L1-02
+                     *spmd::needs_world_size(4, "a 2x2 (replicate, shard) mesh")) {
   l1::Report rep("L1-02");
   const Hsdp h = make_hsdp();
   fsdp::FullyShardOptions o;
@@ -446,8 +446,7 @@ torch::optim::AdamParamState* adam_state(torch::optim::Adam& opt, const at::Tens
 }
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_set_reduce_op_type) {  // L1-03
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_set_reduce_op_type, *multi_rank()) {  // L1-03
   const int ws = spmd::world_size(), rank = spmd::rank();
   l1::Report rep("L1-03");
   const int64_t seed = 31;
@@ -518,8 +517,7 @@ BOOST_AUTO_TEST_CASE(test_set_reduce_op_type) {  // L1-03
 // ============================================================================
 // L1-04: zero_grad after accumulated steps.
 // ============================================================================
-BOOST_AUTO_TEST_CASE(test_zero_grad) {  // L1-04
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_zero_grad, *multi_rank()) {  // L1-04
   l1::Report rep("L1-04");
   const int64_t seed = 41;
   const int n_steps = 3;
@@ -571,8 +569,7 @@ BOOST_AUTO_TEST_CASE(test_zero_grad) {  // L1-04
 // ============================================================================
 // L1-05: reshard() / unshard() lifecycle.
 // ============================================================================
-BOOST_AUTO_TEST_CASE(test_manual_reshard_unshard_lifecycle) {  // L1-05
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_manual_reshard_unshard_lifecycle, *multi_rank()) {  // L1-05
   const int ws = spmd::world_size(), rank = spmd::rank();
   l1::Report rep("L1-05");
   const int64_t seed = 51;
@@ -661,8 +658,7 @@ BOOST_AUTO_TEST_CASE(test_manual_reshard_unshard_lifecycle) {  // L1-05
 // ============================================================================
 // L1-09: fully_shard over a list of modules.
 // ============================================================================
-BOOST_AUTO_TEST_CASE(test_fully_shard_list_input) {  // L1-09
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_fully_shard_list_input, *multi_rank()) {  // L1-09
   const int ws = spmd::world_size();
   l1::Report rep("L1-09");
   const int64_t seed = 91;
@@ -703,13 +699,27 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_list_input) {  // L1-09
     return fsdp::collective_counters().total("all_gather");
   };
 
-  run(901, false, "defaults");
-  // A control set through one element reaches the shared unit (both modules)
-  // and a later call through the other element takes over.
+  const int64_t ag_default = run(901, false, "defaults");
+  // L1-09's "independent control, no interference", with one unit shared by
+  // the list's modules (FSDP2's and hyper-parallel's semantics): a control
+  // set through either element acts on the shared unit -- both modules --
+  // the same way, a later call through the other element takes over, and
+  // training stays equal to the single card's whichever element was used.
   list[0].set_reshard_after_forward(false);
-  run(902, true, "raf=false via list[0]");
+  const int64_t ag_kept_via_0 = run(902, true, "raf=false via list[0]");
   list[1].set_reshard_after_forward(true);
-  run(903, false, "raf=true via list[1]");
+  const int64_t ag_resharded_via_1 = run(903, false, "raf=true via list[1]");
+  list[1].set_reshard_after_forward(false);
+  const int64_t ag_kept_via_1 = run(906, true, "raf=false via list[1]");
+  list[0].set_reshard_after_forward(true);
+  BOOST_TEST(ag_kept_via_0 == ag_kept_via_1,
+             "raf=false via list[0]: " << ag_kept_via_0 << " all-gathers, via list[1]: "
+                                       << ag_kept_via_1);
+  BOOST_TEST(ag_resharded_via_1 == ag_default);
+  // Keeping the shared unit's parameters after forward saves its re-gather
+  // in backward: fewer all-gathers than resharding.
+  BOOST_TEST(ag_kept_via_0 < ag_default, "raf=false did not save an all-gather: "
+                                             << ag_kept_via_0 << " vs " << ag_default);
   list[0].set_reduce_op_type("sum");
   list[1].set_reduce_op_type("avg");
   run(904, false, "\"sum\" via list[0] then \"avg\" via list[1]");
@@ -755,8 +765,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_list_input) {  // L1-09
 // ============================================================================
 // Existing rows of the plan for this file.
 // ============================================================================
-BOOST_AUTO_TEST_CASE(test_fully_shard_none_mesh) {  // existing: mesh=None
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_fully_shard_none_mesh, *multi_rank()) {  // existing: mesh=None
   const int ws = spmd::world_size();
   l1::Report rep("none_mesh");
   l1::ShardedMlp m(61, {});
@@ -779,8 +788,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_none_mesh) {  // existing: mesh=None
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_fully_shard_explicit_1d_mesh) {  // existing: mesh=DeviceMesh
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_fully_shard_explicit_1d_mesh, *multi_rank()) {  // existing: mesh=DeviceMesh
   const int ws = spmd::world_size();
   l1::Report rep("explicit_1d_mesh");
   auto mesh = fsdp::init_device_mesh(spmd::device().type(), {ws}, {"dp"});
@@ -805,8 +813,8 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_explicit_1d_mesh) {  // existing: mesh=Dev
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_fully_shard_2d_mesh) {  // existing: HSDP 2-D mesh
-  if (spmd::world_size() != 4) SPMD_SKIP("needs 4 ranks for a 2x2 (replicate, shard) mesh");
+BOOST_AUTO_TEST_CASE(test_fully_shard_2d_mesh,  // existing: HSDP 2-D mesh
+                     *spmd::needs_world_size(4, "a 2x2 (replicate, shard) mesh")) {
   l1::Report rep("2d_mesh");
   const Hsdp h = make_hsdp();
   fsdp::FullyShardOptions o;
@@ -830,8 +838,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_2d_mesh) {  // existing: HSDP 2-D mesh
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_reshard_after_forward_static) {  // existing: raf=True/False
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_reshard_after_forward_static, *multi_rank()) {  // existing: raf=True/False
   l1::Report rep("reshard_after_forward_static");
   for (bool raf : {true, false}) {
     const std::string tag = std::string("raf=") + (raf ? "true" : "false");
@@ -857,8 +864,7 @@ BOOST_AUTO_TEST_CASE(test_reshard_after_forward_static) {  // existing: raf=True
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_set_requires_gradient_sync) {  // existing
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_set_requires_gradient_sync, *multi_rank()) {  // existing
   l1::Report rep("requires_gradient_sync");
   const int64_t seed = 65;
   l1::ShardedMlp m(seed, {});
@@ -917,8 +923,7 @@ BOOST_AUTO_TEST_CASE(test_set_requires_gradient_sync) {  // existing
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_forward_prefetch_order) {  // existing
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_forward_prefetch_order, *multi_rank()) {  // existing
   l1::Report rep("forward_prefetch");
   const int64_t seed = 66;
   const auto global = chain_batch(661);
@@ -956,8 +961,7 @@ BOOST_AUTO_TEST_CASE(test_forward_prefetch_order) {  // existing
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_backward_prefetch_order) {  // existing
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_backward_prefetch_order, *multi_rank()) {  // existing
   l1::Report rep("backward_prefetch");
   const int64_t seed = 67;
   const auto global = chain_batch(671);
@@ -999,8 +1003,7 @@ BOOST_AUTO_TEST_CASE(test_backward_prefetch_order) {  // existing
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_set_is_last_backward) {  // existing
-  MULTI_RANK_ONLY();
+BOOST_AUTO_TEST_CASE(test_set_is_last_backward, *multi_rank()) {  // existing
   l1::Report rep("is_last_backward");
   const int64_t seed = 68;
   l1::ShardedMlp m(seed, {});
@@ -1029,10 +1032,8 @@ BOOST_AUTO_TEST_CASE(test_set_is_last_backward) {  // existing
   rep.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_world_size_one_no_collectives) {  // existing
-  if (spmd::world_size() != 1) {
-    SPMD_SKIP("needs a world of 1 rank (run the executable with mpiexec -n 1)");
-  }
+BOOST_AUTO_TEST_CASE(test_world_size_one_no_collectives,  // existing
+                     *spmd::needs_world_size(1, "run the executable with mpiexec -n 1")) {
   l1::Report rep("world_size_one");
   l1::ShardedMlp m(69, {});
   const auto global = toy::global_batch(691, kRows);
@@ -1071,9 +1072,9 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_module_without_params_raises) {
                                         "fully_shard(ReLU)");
 }
 
-BOOST_AUTO_TEST_CASE(test_fully_shard_mesh_ndim_gt_2_raises) {
+BOOST_AUTO_TEST_CASE(test_fully_shard_mesh_ndim_gt_2_raises,
+                     *spmd::needs_even_world_size("a (2, N/2) mesh")) {
   const int ws = spmd::world_size();
-  if (ws % 2 != 0) SPMD_SKIP("needs an even world size");
   l1::Report rep("errors");
   auto mesh3 = fsdp::init_device_mesh(spmd::device().type(), {2, 1, ws / 2}, {"a", "b", "c"});
   toy::Mlp model(82);

@@ -64,8 +64,8 @@ BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {
   BOOST_TEST(storages[1] == storages[2]);
 }
 
-BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives) {
-  if (spmd::world_size() != 1) SPMD_SKIP("runs only on one rank (registered at np 1)");
+BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,
+                     *spmd::needs_world_size(1, "runs only on one rank (registered at np 1)")) {
   toy::Mlp ref(1);
   Sharded s;
   const auto batch = toy::global_batch(7, 8);

@@ -592,8 +592,7 @@ void check_coupling(l1::Report& report, const Run& got, const Run& want, const L
 // ---------------------------------------------------------------------------
 // 1. EP=2 x efsdp=2, two AdamW steps.
 
-BOOST_AUTO_TEST_CASE(test_ep_fsdp_coupling) {
-  if (spmd::world_size() != kDp) SPMD_SKIP("(efsdp=2, ep=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(test_ep_fsdp_coupling, *spmd::needs_world_size(kDp, "(efsdp=2, ep=2)")) {
   const Layout l;
   const Run want = run_single_card(2, false);
   const Run got = run_sharded(l, 2, false);
@@ -606,8 +605,8 @@ BOOST_AUTO_TEST_CASE(test_ep_fsdp_coupling) {
 // 2. Expert-gradient scaling: EP=2 and EP=1 against the single card; the
 // efsdp-size divide factor gives twice its gradients.
 
-BOOST_AUTO_TEST_CASE(test_ep_expert_grad_scaling) {
-  if (spmd::world_size() != kDp) SPMD_SKIP("EP=2 x efsdp=2 and EP=1 x FSDP 4 need 4 ranks");
+BOOST_AUTO_TEST_CASE(test_ep_expert_grad_scaling,
+                     *spmd::needs_world_size(kDp, "EP=2 x efsdp=2 and EP=1 x FSDP 4")) {
   constexpr double tol = 1e-5;
   const Run want = run_single_card(1, false);
   const Named& ref = want.steps[0].grads;
@@ -642,8 +641,7 @@ BOOST_AUTO_TEST_CASE(test_ep_expert_grad_scaling) {
 // 3. Experts without tokens: ep rank 0 receives none in block 0, expert 1
 // none in block 1.
 
-BOOST_AUTO_TEST_CASE(test_ep_zero_tokens) {
-  if (spmd::world_size() != kDp) SPMD_SKIP("(efsdp=2, ep=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(test_ep_zero_tokens, *spmd::needs_world_size(kDp, "(efsdp=2, ep=2)")) {
   const Layout l;
   const Run want = run_single_card(1, true);
   // The crafted values must starve exactly the chosen experts.

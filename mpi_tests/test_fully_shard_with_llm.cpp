@@ -28,10 +28,9 @@ constexpr double kDenseNormTol = 1e-5;
 constexpr double kMinMargin = 1e-5;
 }
 
-BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp) {
-  if (spmd::world_size() != 4) {
-    SPMD_SKIP("L3-01 needs 4 ranks (HSDP replicate 2 x shard 2); it runs in test_fully_shard_with_llm_np4");
-  }
+BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp,
+                     *spmd::needs_world_size(4, "L3-01: HSDP replicate 2 x shard 2; it runs in "
+                                                "test_fully_shard_with_llm_np4")) {
   auto c = ref::make_case("llm_decoder");
   l1::Report report("L3-01");
   auto runs = l3::run_layouts(*c, l3::fsdp({2, 2}), l3::fsdp({4}));
@@ -39,10 +38,9 @@ BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp) {
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp) {
-  if (spmd::world_size() != 2) {
-    SPMD_SKIP("L3-02 runs at 2 ranks (FSDP 1-D); it runs in test_fully_shard_with_llm_np2");
-  }
+BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp,
+                     *spmd::needs_world_size(2, "L3-02: FSDP 1-D; it runs in "
+                                                "test_fully_shard_with_llm_np2")) {
   auto c = ref::make_case("llm_decoder");
   l1::Report report("L3-02");
   auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));
@@ -50,10 +48,9 @@ BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp) {
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp) {
-  if (spmd::world_size() != 4) {
-    SPMD_SKIP("L3-03 needs 4 ranks (replicate 1 x efsdp 2 x ep 2); it runs in test_fully_shard_with_llm_np4");
-  }
+BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp,
+                     *spmd::needs_world_size(4, "L3-03: replicate 1 x efsdp 2 x ep 2; it runs in "
+                                                "test_fully_shard_with_llm_np4")) {
   auto c = ref::make_case("moe_llm");
   l1::Report report("L3-03");
   auto runs = l3::run_layouts(*c, l3::fsdp_ep(1, 2, 2), l3::fsdp_ep(2, 1, 2));
@@ -99,10 +96,9 @@ BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp) {
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_chunked_ce_fsdp_vs_ddp) {
-  if (spmd::world_size() != 2) {
-    SPMD_SKIP("L3-05 runs at 2 ranks (FSDP 1-D); it runs in test_fully_shard_with_llm_np2");
-  }
+BOOST_AUTO_TEST_CASE(test_chunked_ce_fsdp_vs_ddp,
+                     *spmd::needs_world_size(2, "L3-05: FSDP 1-D; it runs in "
+                                                "test_fully_shard_with_llm_np2")) {
   auto c = ref::make_case("chunked_ce");
   l1::Report report("L3-05");
   auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));

@@ -682,18 +682,15 @@ Config config(pp::ScheduleKind kind, int n_mb) {
 
 BOOST_AUTO_TEST_SUITE(test_pp_fsdp_coupling)
 
-BOOST_AUTO_TEST_CASE(gpipe) {
-  if (spmd::world_size() != 4) SPMD_SKIP("(pp=2, dp=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(gpipe, *spmd::needs_world_size(4, "pp=2, dp=2")) {
   for (int n : {2, 4}) check_config(config(pp::ScheduleKind::GPipe, n));
 }
 
-BOOST_AUTO_TEST_CASE(one_f_one_b) {
-  if (spmd::world_size() != 4) SPMD_SKIP("(pp=2, dp=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(one_f_one_b, *spmd::needs_world_size(4, "pp=2, dp=2")) {
   for (int n : {2, 4}) check_config(config(pp::ScheduleKind::OneFOneB, n));
 }
 
-BOOST_AUTO_TEST_CASE(interleaved_1f1b) {
-  if (spmd::world_size() != 4) SPMD_SKIP("(pp=2, dp=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(interleaved_1f1b, *spmd::needs_world_size(4, "pp=2, dp=2")) {
   for (int n : {2, 4}) check_config(config(pp::ScheduleKind::Interleaved1F1B, n));
 }
 
@@ -702,8 +699,7 @@ BOOST_AUTO_TEST_SUITE_END()
 // Dynamic sequence length: [rows, seq, 16] inputs, seq 5, 9, 3 over three
 // steps (AdamW between them), shapes exchanged with every transfer; the
 // loss counts tokens. Same checks against the DDP reference.
-BOOST_AUTO_TEST_CASE(test_pp_dynamic_sequence_length) {
-  if (spmd::world_size() != 4) SPMD_SKIP("(pp=2, dp=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(test_pp_dynamic_sequence_length, *spmd::needs_world_size(4, "pp=2, dp=2")) {
   for (int n : {2, 4}) {
     Config c = config(pp::ScheduleKind::OneFOneB, n);
     c.shapes = pp::ShapeMode::ExchangeEveryStep;
@@ -716,8 +712,7 @@ BOOST_AUTO_TEST_CASE(test_pp_dynamic_sequence_length) {
 // ---------------------------------------------------------------------------
 // Argument errors through the public API.
 
-BOOST_AUTO_TEST_CASE(test_pp_argument_errors) {
-  if (spmd::world_size() != 4) SPMD_SKIP("(pp=2, dp=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(test_pp_argument_errors, *spmd::needs_world_size(4, "pp=2, dp=2")) {
   const auto mesh = pp_dp_mesh();
   const int pp_rank = mesh.get_local_rank("pp");
   FullNet full;
@@ -787,8 +782,8 @@ BOOST_AUTO_TEST_CASE(test_pp_argument_errors) {
 // 1, then waits for a transfer that never comes; the p2p timeout (5 s) must
 // name it and abort the job. CTest runs this case alone
 // (test_fully_shard_with_pp_mismatched_np4) and matches the report.
-BOOST_AUTO_TEST_CASE(mismatched_microbatches, *utf::disabled()) {
-  if (spmd::world_size() != 4) SPMD_SKIP("(pp=2, dp=2) needs 4 ranks");
+BOOST_AUTO_TEST_CASE(mismatched_microbatches,
+                     *utf::disabled() * spmd::needs_world_size(4, "pp=2, dp=2")) {
   const auto mesh = pp_dp_mesh();
   const int pp_rank = mesh.get_local_rank("pp");
   const int n = spmd::rank() == 3 ? 3 : 4;

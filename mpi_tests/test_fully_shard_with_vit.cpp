@@ -23,8 +23,8 @@ double spread_over_ranks(const at::Tensor& t) {
 }
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp) {
-  if (spmd::world_size() != 2) SPMD_SKIP("L3-04 runs at 2 ranks (FSDP 1-D)");
+BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,
+                     *spmd::needs_world_size(2, "L3-04 runs on FSDP 1-D at 2 ranks")) {
   auto c = ref::make_case("vit");
   l1::Report report("L3-04");
   auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));
@@ -41,8 +41,8 @@ BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp) {
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp) {
-  if (spmd::world_size() != 2) SPMD_SKIP("L3-06 runs at 2 ranks (FSDP 1-D)");
+BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,
+                     *spmd::needs_world_size(2, "L3-06 runs on FSDP 1-D at 2 ranks")) {
   auto c = ref::make_case("multimodal");
   l1::Report report("L3-06");
   auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));

@@ -1,6 +1,8 @@
 // L0: the SPMD harness itself. The two disabled cases misbehave on purpose;
 // CTest runs each alone (test_harness_aggregation, test_harness_watchdog) and
-// checks the harness's report with PASS_REGULAR_EXPRESSION.
+// checks the exit status and the harness's report (cmake/RunAndCheck.cmake).
+// A case whose precondition fails must be reported as skipped, with its
+// reason, never as a pass (test_harness_skip).
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -35,4 +37,11 @@ BOOST_AUTO_TEST_CASE(hangs_on_rank_0, *utf::disabled()) {
     auto t = at::ones({1}, at::kFloat);
     fsdp::world_group()->all_reduce(t);
   }
+}
+
+// Never runs below 64 ranks: it would fail. test_harness_skip runs it alone
+// and requires the skip in the summary and the reason on stdout.
+BOOST_AUTO_TEST_CASE(skipped_below_64_ranks,
+                     *spmd::needs_world_size_at_least(64, "the harness's skip check")) {
+  BOOST_ERROR("ran although its precondition failed");
 }

@@ -240,6 +240,40 @@ int rank() { return g_runtime->world_rank(); }
 int world_size() { return g_runtime->world_size(); }
 std::string current_case() { return current_name(); }
 
+boost::unit_test::precondition skip_unless(std::function<bool()> holds, std::string reason) {
+  return boost::unit_test::precondition(
+      [holds = std::move(holds), reason = std::move(reason)](boost::unit_test::test_unit_id id) {
+        boost::test_tools::assertion_result result(holds());
+        if (!result) {
+          result.message() << reason;
+          if (rank() == 0) {
+            const auto& unit = boost::unit_test::framework::get(id, boost::unit_test::TUT_ANY);
+            std::cout << "SKIPPED " << unit.p_name.get() << ": " << reason << std::endl;
+          }
+        }
+        return result;
+      });
+}
+
+boost::unit_test::precondition needs_world_size(int n, const std::string& reason) {
+  return skip_unless([n] { return world_size() == n; },
+                     "needs " + std::to_string(n) + " ranks: " + reason);
+}
+
+boost::unit_test::precondition needs_world_size_at_least(int n, const std::string& reason) {
+  return skip_unless([n] { return world_size() >= n; },
+                     "needs at least " + std::to_string(n) + " ranks: " + reason);
+}
+
+boost::unit_test::precondition needs_even_world_size(const std::string& reason) {
+  return skip_unless([] { return world_size() % 2 == 0; }, "needs an even world size: " + reason);
+}
+
+boost::unit_test::precondition needs_device(c10::DeviceType type, const std::string& reason) {
+  return skip_unless([type] { return device().type() == type; },
+                     "needs " + c10::DeviceTypeName(type, /*lower_case=*/true) + " tensors: " + reason);
+}
+
 void add_case_note(const std::string& case_id, const std::string& note) {
   for (const auto& [id, text] : g_case_notes) {
     if (id == case_id && text == note) return;

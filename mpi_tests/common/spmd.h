@@ -23,6 +23,7 @@
 
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <string>
 
 namespace spmd {
@@ -49,6 +50,9 @@ struct PrecisionRecord {
   //              precision matrix);
   // "exact":     observed <= 0 (bitwise equality required);
   // "separation": observed must exceed tolerance (e.g. unsynchronised replicas differ).
+  // "expected-failure": a plan check that misses its tolerance by construction
+  //              on this configuration; pass = observed > tolerance (the
+  //              expectation held), note = the reason. Never counted as a pass.
   std::string kind = "precision";
   // Matrix row, e.g. "FSDP 1-D, fp32"; empty: the renderer maps the plan id.
   std::string configuration;
@@ -67,14 +71,16 @@ void record_precision(const PrecisionRecord& record);
 // end of the test case). Not collective.
 void add_case_note(const std::string& case_id, const std::string& note);
 
-}  // namespace spmd
+// Boost.Test precondition: unless `holds()` is true the case is skipped on
+// every rank -- reported as skipped (the results summary, JUnit <skipped/>
+// with the reason), never as a pass -- and rank 0 prints
+// "SKIPPED <case>: <reason>". `holds` must answer the same on every rank
+// (world size, device). Use as a decorator:
+//   BOOST_AUTO_TEST_CASE(test_x, *spmd::needs_world_size(4, "a 2x2 mesh")) {...}
+boost::unit_test::precondition skip_unless(std::function<bool()> holds, std::string reason);
+boost::unit_test::precondition needs_world_size(int n, const std::string& reason);
+boost::unit_test::precondition needs_world_size_at_least(int n, const std::string& reason);
+boost::unit_test::precondition needs_even_world_size(const std::string& reason);
+boost::unit_test::precondition needs_device(c10::DeviceType type, const std::string& reason);
 
-// Skips the current case on every rank with a printed reason. Use only at the
-// top of a case, under a condition that is the same on every rank.
-#define SPMD_SKIP(reason)                                                           \
-  do {                                                                              \
-    BOOST_TEST_MESSAGE("SKIPPED " << spmd::current_case() << ": " << (reason));     \
-    if (spmd::rank() == 0) std::cout << "SKIPPED " << spmd::current_case() << ": " \
-                                     << (reason) << std::endl;                      \
-    return;                                                                         \
-  } while (0)
+}  // namespace spmd

@@ -186,7 +186,13 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
                        FullyShardOptions options = {});
 // One unit over several modules: their parameters are gathered and reduced
 // together (in one all-gather and one reduce-scatter with comm_fusion).
-// Returns one FSDPModule per module, all controlling the shared unit.
+// Returns one FSDPModule per module, in the order given: element i's
+// module() is modules[i]. Every control (the setters, unshard, reshard,
+// zero_grad, reduce_gradients) through any element acts on the one shared
+// unit, i.e. on all of the modules, exactly as through any other element; a
+// later call through another element overrides it. As in FSDP2, the modules
+// of one list cannot be controlled apart: shard them with separate
+// fully_shard calls for that.
 std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                                     FullyShardOptions options = {});
 
