@@ -184,7 +184,7 @@ void check_mp_case(const MpConfig& c) {
   loss.backward();
 
   // Shards stay fp32; the sharded gradient has the reduce dtype.
-  const auto ms = prec::managed(s.units());
+  const auto ms = s.managed();
   for (const auto& m : ms) {
     BOOST_TEST(m.param.scalar_type() == at::kFloat, m.name << " shard dtype "
                                                            << dt_name(m.param.scalar_type()));
@@ -276,6 +276,7 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {
   s.fc2 = fsdp::fully_shard(model->fc2, opts);
   s.root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()), opts);
   s.net = fsdp::Sharded<toy::Mlp>(model);
+  s.expected_managed = model->parameters().size() - 2;
 
   // Plain tensors: full, untouched storage, not among the managed parameters.
   BOOST_TEST(model->fc1->weight.numel() == full_w1.numel());
@@ -284,7 +285,7 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {
   BOOST_TEST(model->fc1->weight.data_ptr() == w1_ptr, "fc1.weight storage was replaced");
   std::set<std::string> names;
   int64_t managed_with_grad = 0;
-  for (const auto& m : prec::managed(s.units())) {
+  for (const auto& m : s.managed()) {
     names.insert(m.name);
     managed_with_grad += m.param.requires_grad() ? 1 : 0;
   }
@@ -347,7 +348,7 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {
   }
 
   double man_err = 0;
-  for (const auto& m : prec::managed(s.units())) {
+  for (const auto& m : s.managed()) {
     const at::Tensor g = m.param.grad();
     BOOST_TEST(g.defined(), m.name << " has no gradient");
     if (!g.defined()) continue;
@@ -372,8 +373,9 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {
   s2.fc2 = fsdp::fully_shard(m2->fc2, only_fc2);
   s2.root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(m2.ptr()));
   s2.net = fsdp::Sharded<toy::Mlp>(m2);
+  s2.expected_managed = m2->parameters().size() - 1;
   std::set<std::string> names2;
-  for (const auto& m : prec::managed(s2.units())) names2.insert(m.name);
+  for (const auto& m : s2.managed()) names2.insert(m.name);
   BOOST_TEST(names2.count("fc2.weight") == 0u,
              "fc2.weight, ignored by the fc2 unit, is managed by the root unit");
   BOOST_TEST(m2->fc2->weight.numel() == w2_numel,
@@ -533,7 +535,7 @@ BOOST_AUTO_TEST_CASE(test_mp_cast_forward_inputs_false) {  // L1-12
     report(c.id, std::string("loss vs single-card ") + dt_name(low), prec::max_over_ranks(err),
            1e-3);
   }
-  for (const auto& m : prec::managed(s.units())) {
+  for (const auto& m : s.managed()) {
     const at::Tensor g = m.param.grad();
     BOOST_TEST(g.defined(), m.name << " has no gradient");
     if (!g.defined()) continue;
@@ -572,16 +574,16 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
   for (size_t pass = 0; pass < batches.size(); ++pass) {
     const toy::Batch mine = toy::slice(batches[pass], rank, ws);
     toy::mse(s.net(mine.x), mine.y).backward();  // no zero_grad: accumulate
-    for (const auto& m : prec::managed(s.units())) {
-      if (pass == 0 && m.param.grad().defined()) {
-        after_first[m.name] = m.param.grad().detach().clone();
-      }
+    if (pass != 0) continue;
+    for (const auto& m : s.managed()) {
+      BOOST_TEST(m.param.grad().defined(), m.name << " has no gradient after the first pass");
+      if (m.param.grad().defined()) after_first[m.name] = m.param.grad().detach().clone();
     }
   }
   BOOST_TEST(s.model->fc1->seen_weight == low);
 
   // param.grad() is the fp32 main grad, and main_grads() returns it.
-  const auto ms = prec::managed(s.units());
+  const auto ms = s.managed();
   std::map<std::string, at::Tensor> mains;
   for (const auto& u : s.units()) {
     for (auto& [name, t] : u.fsdp.main_grads()) mains[u.prefix + name] = t;
@@ -622,11 +624,13 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
   double first_err = 0, total_err = 0, fp32_err = 0, fp32_norm_err = 0, sq = 0, sq32 = 0;
   for (const auto& m : ms) {
     const at::Tensor g = prec::grad_or_zeros(m);
-    if (after_first.count(m.name)) {
-      const double e = diff(after_first[m.name], local_part(emu_first.at(m.name), m.dt));
-      BOOST_TEST(e < tol, m.name << " pass-1 main grad vs emulation: " << e);
-      first_err = std::max(first_err, e);
-    }
+    // A parameter without a first-pass gradient already failed above; its
+    // gap is infinite here so the recorded worst case cannot hide it.
+    const double e1 = after_first.count(m.name)
+                          ? diff(after_first[m.name], local_part(emu_first.at(m.name), m.dt))
+                          : std::numeric_limits<double>::infinity();
+    BOOST_TEST(e1 < tol, m.name << " pass-1 main grad vs emulation: " << e1);
+    first_err = std::max(first_err, e1);
     const double e = diff(g, local_part(emu_total.at(m.name), m.dt));
     BOOST_TEST(e < tol, m.name << " accumulated main grad vs emulation: " << e);
     total_err = std::max(total_err, e);
@@ -640,14 +644,25 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
          prec::max_over_ranks(first_err), tol);
   report(c.id, "2-pass main grad vs single-card micro-batch emulation",
          prec::max_over_ranks(total_err), tol);
-  // The plan asks for 1e-5 against an fp32 single card; with compute in a
-  // 16-bit dtype that is out of reach (one bf16 ulp of these gradients is
-  // ~1e-3), so it is reported, not asserted -- see the header comment.
-  report(c.id, std::string("2-pass main grad vs fp32 single card (plan: 1e-5; not asserted, ") +
-                   dt_name(low) + " compute)",
-         prec::max_over_ranks(fp32_err), 0);
-  report(c.id, "2-pass grad norm vs fp32 single card (info)", prec::max_over_ranks(fp32_norm_err),
-         0);
+  // The plan's "atol 1e-5 vs fp32 single card". The fp16 form (CUDA) is held
+  // to it. The CPU stand-in computes in bf16, whose ulp at these gradients
+  // is ~1e-3: there the check misses by construction and is recorded as an
+  // expected failure with its gap, never as a pass.
+  const double fp32_gap = prec::max_over_ranks(fp32_err);
+  const double fp32_norm_gap = prec::max_over_ranks(fp32_norm_err);
+  if (low == at::kHalf) {
+    report(c.id, "2-pass main grad vs fp32 single card", fp32_gap, tol);
+    BOOST_TEST(fp32_gap <= tol, "2-pass main grad vs fp32 single card: " << fp32_gap);
+    report(c.id, "2-pass grad norm vs fp32 single card", fp32_norm_gap, tol);
+    BOOST_TEST(fp32_norm_gap <= tol, "2-pass grad norm vs fp32 single card: " << fp32_norm_gap);
+  } else {
+    const std::string why = std::string(dt_name(low)) +
+                            " compute on CPU (the fp16 stand-in): its ulp at these gradients is "
+                            "~1e-3, so 1e-5 against fp32 is out of reach; the fp16 form under "
+                            "the gpu labels asserts it";
+    prec::expected_failure(c.id, "2-pass main grad vs fp32 single card", fp32_gap, tol, why);
+    prec::expected_failure(c.id, "2-pass grad norm vs fp32 single card", fp32_norm_gap, tol, why);
+  }
 
   // The fp32 main grad is what keeps the gradient fp32 when the reduction is
   // 16-bit: reduce_dtype = low with and without the flag.
@@ -663,7 +678,7 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
       toy::mse(s2.net(mine.x), mine.y).backward();
     }
     const c10::ScalarType want = flag ? at::kFloat : low;
-    for (const auto& m : prec::managed(s2.units())) {
+    for (const auto& m : s2.managed()) {
       const at::Tensor g = m.param.grad();
       BOOST_TEST(g.defined(), m.name << " has no gradient");
       if (!g.defined()) continue;
@@ -694,7 +709,7 @@ void check_replicate(const fsdp::FullyShardOptions& base, const std::string& id)
   const int64_t rep_size = mesh.ndim() == 2 ? mesh.size(0) : 1;
 
   int64_t n_rep = 0, n_shard = 0;
-  for (const auto& m : prec::managed(s.units())) {
+  for (const auto& m : s.managed()) {
     const bool rep = replicated.count(m.name) > 0;
     (rep ? n_rep : n_shard) += 1;
     BOOST_TEST((m.dt.placements() == (rep ? want_rep : want_shard)),
@@ -723,7 +738,7 @@ void check_replicate(const fsdp::FullyShardOptions& base, const std::string& id)
                "[" << id << "] all_reduces " << st.bwd.total("all_reduce"));
   }
   // Replicated parameters stay identical on every rank through the steps.
-  for (const auto& m : prec::managed(s.units())) {
+  for (const auto& m : s.managed()) {
     if (!replicated.count(m.name)) continue;
     at::Tensor v = m.param.detach().contiguous().cpu();
     at::Tensor all = at::empty({spmd::world_size() * v.numel()}, v.options());
@@ -765,14 +780,15 @@ BOOST_AUTO_TEST_CASE(test_replicate_params_precision_2d) {
 BOOST_AUTO_TEST_CASE(test_cpu_offload_pin_memory) {
   const bool cuda = spmd::device().is_cuda();
   if (!cuda) {
-    prec::note("[offload] CPU-only: CPUOffloadPolicy{pin_memory=true} is accepted and behaves "
-               "like no offload (shards already on the CPU)");
+    prec::note("[offload] trivially true on a CPU run: the shards already live in CPU memory, so "
+               "this checks only that CPUOffloadPolicy{pin_memory=true} is accepted and trains "
+               "like the single card; the host/device moves and pinning run under the gpu labels");
   }
   fsdp::FullyShardOptions opts;
   opts.offload_policy = fsdp::CPUOffloadPolicy{true};
   auto s = prec::shard_model(toy::Mlp(9), opts, opts);
   auto check_on_cpu = [&](const std::string& when) {
-    for (const auto& m : prec::managed(s.units())) {
+    for (const auto& m : s.managed()) {
       BOOST_TEST(m.dt.to_local().is_cpu(), m.name << " shard not on CPU " << when);
       BOOST_TEST(m.param.is_cpu(), m.name << " parameter not on CPU " << when);
       if (m.param.grad().defined()) {
@@ -882,7 +898,7 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
       // (PyTorch FSDP2), in which case param.grad() stays undefined and
       // only the counters and the merged result below can be checked.
       const auto unsynced = unsynced_of(s.units());
-      for (const auto& m : prec::managed(s.units())) {
+      for (const auto& m : s.managed()) {
         at::Tensor g;
         if (hsdp) {
           g = m.param.grad();
@@ -913,7 +929,7 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
       BOOST_TEST(!g.defined(), "[" << id << "] " << name << ": unsynced gradient left after the "
                                                           "synchronised backward");
     }
-    for (const auto& m : prec::managed(s.units())) {
+    for (const auto& m : s.managed()) {
       const at::Tensor g = m.param.grad();
       BOOST_TEST(g.defined(), "[" << id << "] " << m.name << " has no merged gradient");
       const at::Tensor got = g.defined() ? g : at::zeros_like(m.param);
@@ -984,7 +1000,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {
 
     std::map<std::string, at::Tensor> initial;
     int64_t trainable = 0;
-    for (const auto& m : prec::managed(s.units())) {
+    for (const auto& m : s.managed()) {
       BOOST_TEST(m.param.requires_grad() == (frozen.count(m.name) == 0),
                  "[" << id << "] " << m.name << " requires_grad " << m.param.requires_grad());
       if (frozen.count(m.name)) initial[m.name] = m.param.detach().clone();
@@ -1012,7 +1028,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {
                                  ref_loss.item<double>());
       BOOST_TEST(le < tol, "[" << id << "] step " << step << " loss vs single card: " << le);
       loss_err = std::max(loss_err, le);
-      for (const auto& m : prec::managed(s.units())) {
+      for (const auto& m : s.managed()) {
         const at::Tensor g = m.param.grad();
         if (frozen.count(m.name)) {
           BOOST_TEST(!g.defined(), "[" << id << "] frozen " << m.name << " has a gradient");
@@ -1033,7 +1049,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {
         }
       }
       s.root.zero_grad();
-      for (const auto& m : prec::managed(s.units())) {
+      for (const auto& m : s.managed()) {
         if (!frozen.count(m.name)) continue;
         BOOST_TEST(diff(m.param, initial.at(m.name)) == 0.0,
                    "[" << id << "] frozen " << m.name << " changed at step " << step);
@@ -1042,7 +1058,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {
     // The trainable parameters did move (so the frozen check is not vacuous).
     double param_err = 0;
     const auto ref_params = prec::named_params(*ref);
-    for (const auto& m : prec::managed(s.units())) {
+    for (const auto& m : s.managed()) {
       const double e = diff(m.param, local_part(ref_params.at(m.name), m.dt));
       BOOST_TEST(e < tol, "[" << id << "] " << m.name << " after 2 SGD steps vs single card: "
                               << e);
@@ -1124,7 +1140,7 @@ void check_clip(const std::string& form, std::optional<fsdp::DeviceMesh> mesh) {
       fsdp::world_group()->all_reduce(g, fsdp::ReduceOp::AVG);
       ignored.mutable_grad().copy_(g);
     }
-    const auto ms = prec::managed(s.units());
+    const auto ms = s.managed();
     std::vector<at::Tensor> local_pieces = {ignored.grad()};  // what this rank holds
     for (const auto& m : ms) {
       BOOST_TEST((m.param.grad().sizes() == m.param.sizes()),
@@ -1340,7 +1356,7 @@ BOOST_AUTO_TEST_CASE(test_dynamic_sequence_length) {  // L2-08
   ref->to(spmd::device());
   auto shapes = [&] {
     std::map<std::string, std::pair<std::vector<int64_t>, std::vector<int64_t>>> out;
-    for (const auto& m : prec::managed(s.units())) {
+    for (const auto& m : s.managed()) {
       out[m.name] = {m.param.sizes().vec(), m.dt.shape()};
     }
     return out;
@@ -1378,7 +1394,7 @@ BOOST_AUTO_TEST_CASE(test_dynamic_sequence_length) {  // L2-08
     BOOST_TEST(ne < tol, where << " grad norm vs single card: " << ne);
     loss_err = std::max(loss_err, le);
     norm_err = std::max(norm_err, ne);
-    for (const auto& m : prec::managed(s.units())) {
+    for (const auto& m : s.managed()) {
       const at::Tensor g = m.param.grad();
       BOOST_TEST(g.defined(), where << " " << m.name << " has no gradient");
       if (!g.defined()) continue;
@@ -1395,6 +1411,9 @@ BOOST_AUTO_TEST_CASE(test_dynamic_sequence_length) {  // L2-08
     BOOST_TEST((shapes() == initial_shapes), where << ": parameter shapes changed");
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // The plan's "no hang" as its own bound, not the harness watchdog's (an
+    // environment variable can raise that one).
+    BOOST_TEST(secs < 60.0, where << ": the step took " << secs << " s (plan: no hang, < 60 s)");
     prec::note(where + ": loss " + std::to_string(prec::mean_over_ranks(l)) + ", grad norm " +
                std::to_string(norm) + ", " + std::to_string(secs) + " s");
   }

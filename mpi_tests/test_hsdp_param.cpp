@@ -53,7 +53,7 @@ void hsdp_vs_single_card(const std::vector<int64_t>& shape, const std::string& i
   auto s = prec::shard_model(toy::Mlp(4), opts, opts);
   const int64_t rep = shape[0], shard = shape[1];
   int64_t n = 0;
-  for (const auto& m : prec::managed(s.units())) {
+  for (const auto& m : s.managed()) {
     ++n;
     const std::vector<fsdp::Placement> want = {fsdp::Placement::Replicate(),
                                                fsdp::Placement::Shard(0)};
@@ -252,8 +252,8 @@ BOOST_AUTO_TEST_CASE(test_shard_placement_fn_validation) {
 }
 
 // HSDP on a (2, 2) mesh: replicate=2, shard=2 (np 4 only).
-BOOST_AUTO_TEST_CASE(test_hsdp_2x2_mesh_vs_single_card) {
-  if (spmd::world_size() != 4) SPMD_SKIP("needs 4 ranks for a (2, 2) mesh");
+BOOST_AUTO_TEST_CASE(test_hsdp_2x2_mesh_vs_single_card,
+                     *spmd::needs_world_size(4, "a (2, 2) mesh")) {
   hsdp_vs_single_card({2, 2}, "HSDP (2,2)");
 }
 

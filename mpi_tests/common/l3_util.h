@@ -138,10 +138,27 @@ inline double tensor_diff(const std::map<std::string, at::Tensor>& g,
 inline void compare(l1::Report& report, const std::string& label, const ref::RunRecord& got,
                     const ref::RunRecord& want, double tol, const Metrics& m = {}) {
   BOOST_REQUIRE_EQUAL(got.steps.size(), want.steps.size());
+  // One step would compare the gradients of the initial weights only; the
+  // second checks what the sharded optimizer step made of them.
+  BOOST_REQUIRE_MESSAGE(got.steps.size() >= 2, label << ": " << got.steps.size()
+                                                     << " step(s); L3 compares at least 2");
+  auto names = [](const std::map<std::string, at::Tensor>& tensors) {
+    std::string out;
+    for (const auto& entry : tensors) out += (out.empty() ? "" : ", ") + entry.first;
+    return "[" + out + "]";
+  };
   for (size_t k = 0; k < got.steps.size(); ++k) {
     const auto& g = got.steps[k];
     const auto& w = want.steps[k];
     const std::string at = label + ": step " + std::to_string(k) + " ";
+    // The loops below walk the reference's tensors: a reference recorded
+    // with fewer (or none) would check less than the case asks for.
+    BOOST_TEST(names(g.grads) == names(w.grads),
+               at << "recorded gradients " << names(g.grads) << " vs the reference's "
+                  << names(w.grads));
+    BOOST_TEST(names(g.params) == names(w.params),
+               at << "recorded parameters " << names(g.params) << " vs the reference's "
+                  << names(w.params));
     // Routing first: a token sent to another expert changes its output by
     // O(1), so the numbers below mean nothing unless every token agrees.
     for (const auto& [layer, ids] : w.routing) {

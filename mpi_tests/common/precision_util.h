@@ -29,6 +29,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -94,12 +95,19 @@ struct Unit {
   fsdp::FSDPModule fsdp;
 };
 
+struct Managed;
+
 template <typename M>
 struct ShardedModel {
   M model{nullptr};
   fsdp::FSDPModule fc1, fc2, root;
   fsdp::Sharded<M> net;
+  // The model's parameters less the ignored ones: what the units must manage.
+  size_t expected_managed = 0;
   std::vector<Unit> units() const { return {{"fc1.", fc1}, {"fc2.", fc2}, {"", root}}; }
+  // The managed parameters, after requiring that there are expected_managed
+  // of them: a loop over a short or empty list would check nothing.
+  std::vector<Managed> managed() const;
 };
 
 template <typename M>
@@ -108,6 +116,11 @@ ShardedModel<M> shard_model(M model, const fsdp::FullyShardOptions& nested,
   model->to(spmd::device());
   ShardedModel<M> s;
   s.model = model;
+  std::set<const void*> ignored;
+  for (const auto* list : {&nested.ignored_params, &root.ignored_params}) {
+    for (const at::Tensor& t : *list) ignored.insert(t.unsafeGetTensorImpl());
+  }
+  s.expected_managed = model->parameters(/*recurse=*/true).size() - ignored.size();
   s.fc1 = fsdp::fully_shard(model->fc1, nested);
   s.fc2 = fsdp::fully_shard(model->fc2, nested);
   s.root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()), root);
@@ -146,6 +159,15 @@ inline std::vector<Managed> managed(const std::vector<Unit>& units) {
       out.push_back({u.prefix + name, param_named(*module, name), dt});
     }
   }
+  return out;
+}
+
+template <typename M>
+std::vector<Managed> ShardedModel<M>::managed() const {
+  std::vector<Managed> out = prec::managed(units());
+  BOOST_TEST_REQUIRE(out.size() == expected_managed,
+                     "the units manage " << out.size() << " parameters, expected "
+                                         << expected_managed);
   return out;
 }
 
@@ -221,6 +243,32 @@ inline void report(const std::string& id, const std::string& what, double observ
     r.pass = observed <= tol;  // false for NaN
     spmd::record_precision(r);
   }
+}
+
+// A plan comparison that misses `tol` by construction here (`reason`, e.g. a
+// 16-bit CPU stand-in against an fp32 reference): printed, recorded as an
+// expected failure (the report lists it apart with the gap and the reason,
+// never as a pass) and asserted to still miss, so that a fix or a change of
+// stand-in promotes it to a real check instead of leaving it stale.
+inline void expected_failure(const std::string& id, const std::string& what, double observed,
+                             double tol, const std::string& reason) {
+  std::ostringstream os;
+  os << "[" << id << "] " << what << ": worst " << std::scientific << std::setprecision(3)
+     << observed << " (tol " << tol << "; expected failure: " << reason << ")";
+  BOOST_TEST_MESSAGE(os.str());
+  if (spmd::rank() == 0) std::cout << os.str() << std::endl;
+  spmd::PrecisionRecord r;
+  r.case_id = id;
+  r.metric = what;
+  r.kind = "expected-failure";
+  r.tolerance = tol;
+  r.observed = observed;
+  r.pass = observed > tol;
+  r.note = reason;
+  spmd::record_precision(r);
+  BOOST_TEST(observed > tol, "[" << id << "] " << what << ": the expected failure passed ("
+                                 << observed << " <= " << tol << "): " << reason
+                                 << " no longer holds; make it a precision check");
 }
 
 // Prints a note on rank 0 and into the Boost log. A note of the form
@@ -309,7 +357,7 @@ inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const P
     r.worst_loss = std::max(r.worst_loss, loss_err);
 
     double grad_err = 0;
-    for (const auto& m : managed(s.units())) {
+    for (const auto& m : s.managed()) {
       const at::Tensor g = m.param.grad();
       BOOST_TEST(g.defined(), "[" << opt.id << "] " << m.name << " has no gradient");
       if (!g.defined()) continue;
@@ -338,7 +386,7 @@ inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const P
     r.steps.push_back(std::move(rec));
   }
   auto ref_params = named_params(*ref);
-  for (const auto& m : managed(s.units())) {
+  for (const auto& m : s.managed()) {
     const double e = diff(m.param, local_part(ref_params.at(m.name), m.dt));
     BOOST_TEST(e < opt.tol, "[" << opt.id << "] " << m.name << " after " << opt.steps
                                 << " SGD steps vs single card: " << e);

@@ -44,8 +44,9 @@ expect("| L1-10 | loss vs single-card bf16 | 1e-3 | 2.000e-3 | 0.5x | **FAIL** |
 expect("| L2-06 reentrant | loss vs single card | 1e-5 | 0 | exact | pass | 2 | cpu | compute device is the CPU: host and device coincide |")
 expect("| L1-02 | off: replica grads differ (every parameter) (must exceed) | 1e-6 | 5.000e-2 | 5e4x | pass | 4 | cpu |")
 expect("- L1-12 (cpu): bf16 stands in for fp16 on CPU")
-expect("8 records in 1 files")
-expect("; 2 failing.")
+expect("| L1-13 | 2-pass main grad vs fp32 single card | 1e-5 | 2.000e-3 | expected failure | bf16 compute on CPU | 2 | cpu |")
+expect("9 records in 1 files")
+expect("1 expected-failure records; 2 failing.")
 
 file(READ "${WORK}/out/m.json" js)
 string(JSON status ERROR_VARIABLE jerr GET "${js}" matrix 1 status)
