@@ -28,9 +28,12 @@ struct AllReduceQueue {
   std::mutex mu;
   std::deque<ParamGroup*> groups;
 };
+// Never destroyed: the unit registry (state.cpp) destroys its units' groups
+// at exit, and each leaves this queue then. A function-local static queue was
+// destroyed first (ASan: heap-use-after-free in ~ParamGroup at exit).
 AllReduceQueue& all_reduce_queue() {
-  static AllReduceQueue q;
-  return q;
+  static auto* q = new AllReduceQueue;
+  return *q;
 }
 
 }  // namespace
