@@ -257,7 +257,7 @@ boost::unit_test::precondition skip_unless(std::function<bool()> holds, std::str
 
 boost::unit_test::precondition needs_world_size(int n, const std::string& reason) {
   return skip_unless([n] { return world_size() == n; },
-                     "needs " + std::to_string(n) + " ranks: " + reason);
+                     "needs " + std::to_string(n) + (n == 1 ? " rank: " : " ranks: ") + reason);
 }
 
 boost::unit_test::precondition needs_world_size_at_least(int n, const std::string& reason) {

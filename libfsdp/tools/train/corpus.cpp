@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -18,10 +19,15 @@ namespace fsdp_train {
 
 Corpus Corpus::load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("--data {}: cannot open the file", path));
+  if (!in) {
+    throw ConfigError(
+        fmt::format("--data {}: cannot open the file ({})", path, std::strerror(errno)));
+  }
   std::vector<unsigned char> raw((std::istreambuf_iterator<char>(in)),
                                  std::istreambuf_iterator<char>());
-  if (in.bad()) throw ConfigError(fmt::format("--data {}: read error", path));
+  if (in.bad()) {
+    throw ConfigError(fmt::format("--data {}: read error ({})", path, std::strerror(errno)));
+  }
   Corpus c;
   c.bytes_ = at::empty({static_cast<int64_t>(raw.size())}, at::kLong);
   auto* ids = c.bytes_.data_ptr<int64_t>();
