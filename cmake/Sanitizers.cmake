@@ -1,10 +1,10 @@
 # FSDP_SANITIZE=ON: everything this project compiles is built with
 # AddressSanitizer (LeakSanitizer included) and UndefinedBehaviorSanitizer,
 # and the suites below L3 (L0-L2 and the core, tp and ep unit suites) get the
-# label `sanitize` (`ctest -L sanitize`; the whole run is ci/sanitize.sh). LibTorch, Open MPI and HDF5 stay uninstrumented
-# (Debian's builds): their memory errors are not found, but their leaks are
-# reported and the ones that are theirs by design are suppressed in
-# cmake/sanitizers/, each entry with its reason.
+# label `sanitize` (`ctest -L sanitize`; the whole run is ci/sanitize.sh).
+# LibTorch, Open MPI and HDF5 stay uninstrumented (Debian's builds): their
+# memory errors are not found, but their leaks are reported, and the ones that
+# are theirs by design are suppressed in cmake/sanitizers/, each with its reason.
 #
 # Included before any target is created: add_compile_options only reaches
 # targets defined after it, and the precompiled headers must be compiled with

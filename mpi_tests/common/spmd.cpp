@@ -271,7 +271,8 @@ boost::unit_test::precondition needs_even_world_size(const std::string& reason) 
 
 boost::unit_test::precondition needs_device(c10::DeviceType type, const std::string& reason) {
   return skip_unless([type] { return device().type() == type; },
-                     "needs " + c10::DeviceTypeName(type, /*lower_case=*/true) + " tensors: " + reason);
+                     "needs " + c10::DeviceTypeName(type, /*lower_case=*/true) +
+                         " tensors: " + reason);
 }
 
 void add_case_note(const std::string& case_id, const std::string& note) {
