@@ -113,7 +113,7 @@ std::map<std::pair<std::string, std::string>, int64_t> step_counts(bool sp, bool
                                                                    std::string* dp_group) {
   ShardedTP t(sp, lp);
   fsdp::reset_collective_counters();
-  t.c->forward(t.model, 0, t.mesh.get_local_rank("shard"), t.dp).loss.backward();
+  t.c->forward(t.model, 0, t.mesh.get_local_rank("shard"), t.dp, ref::Layout::FSDP).loss.backward();
   *tp_group = t.mesh.get_group("tp")->name();
   *dp_group = t.mesh.get_group("shard")->name();
   return fsdp::collective_counters().count;

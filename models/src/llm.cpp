@@ -55,25 +55,35 @@ at::Tensor DecoderImpl::forward(const at::Tensor& tokens, const at::Tensor& visu
 }
 
 std::vector<at::Tensor> DecoderImpl::forward(const at::Tensor& tokens, const at::Tensor& targets,
-                                             int64_t chunk_tokens) {
-  TORCH_CHECK(chunk_tokens > 0, "chunk_tokens must be > 0, got ", chunk_tokens);
+                                             const ChunkedLoss& loss) {
+  TORCH_CHECK(loss.chunk_tokens > 0, "chunk_tokens must be > 0, got ", loss.chunk_tokens);
   auto h = trunk(embed(tokens), std::nullopt).reshape({-1, config.hidden});
   auto flat_targets = targets.reshape({-1});
   const int64_t n = h.size(0);
   const at::Tensor w = output_weight();
+  auto chunk_ce = [n](const at::Tensor& hc, const at::Tensor& wc, const at::Tensor& t) {
+    return at::cross_entropy_loss(at::linear(hc, wc), t, {}, at::Reduction::Sum) /
+           static_cast<double>(n);
+  };
   std::vector<at::Tensor> chunks;
-  for (int64_t start = 0; start < n; start += chunk_tokens) {
-    const int64_t len = std::min(chunk_tokens, n - start);
+  for (int64_t start = 0; start < n; start += loss.chunk_tokens) {
+    const int64_t len = std::min(loss.chunk_tokens, n - start);
     at::Tensor t = flat_targets.narrow(0, start, len);
-    chunks.push_back(fsdp::checkpoint(
-        [t, w, n](const at::Tensor& hc) {
-          return at::cross_entropy_loss(at::linear(hc, w), t, {}, at::Reduction::Sum) /
-                 static_cast<double>(n);
-        },
-        h.narrow(0, start, len), {w}));
+    at::Tensor hc = h.narrow(0, start, len);
+    if (loss.recompute) {
+      chunks.push_back(fsdp::checkpoint(
+          [t, w, chunk_ce](const at::Tensor& x) { return chunk_ce(x, w, t); }, hc, {w}));
+    } else {
+      chunks.push_back(chunk_ce(hc, w, t));
+    }
   }
   auto per_chunk = at::stack(chunks);
-  return {per_chunk.sum(), per_chunk};
+  std::vector<at::Tensor> out{per_chunk.sum(), per_chunk};
+  if (loss.unchunked) {
+    at::NoGradGuard no_grad;
+    out.push_back(at::cross_entropy_loss(at::linear(h, w), flat_targets));
+  }
+  return out;
 }
 
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {

@@ -187,6 +187,11 @@ inline void compare(l1::Report& report, const std::string& label, const ref::Run
       }
       report.check(at + "per-chunk losses (" + std::to_string(w.chunk_losses.size()) + ")", worst, tol);
     }
+    if (m.chunks && w.unchunked_loss) {
+      report.check(at + "unchunked loss",
+                   g.unchunked_loss ? std::abs(*g.unchunked_loss - *w.unchunked_loss) : l1::kInf,
+                   tol);
+    }
     if (m.grads) {
       for (const auto& [name, t] : w.grads) {
         report.check(at + "grad " + name, tensor_diff(g.grads, w.grads, name), tol);
@@ -226,6 +231,7 @@ inline void check_bitwise(l1::Report& report, const std::string& label, const re
     upd(std::abs(x.grad_norm - y.grad_norm));
     for (const auto& [n, v] : x.norms) upd(y.norms.count(n) ? std::abs(v - y.norms.at(n)) : l1::kInf);
     upd(x.chunk_losses == y.chunk_losses ? 0 : l1::kInf);
+    upd(x.unchunked_loss == y.unchunked_loss ? 0 : l1::kInf);
     upd(x.routing_margin == y.routing_margin ? 0 : l1::kInf);
     for (auto m : {&ref::StepRecord::grads, &ref::StepRecord::params, &ref::StepRecord::routing}) {
       for (const auto& [n, t] : x.*m) {

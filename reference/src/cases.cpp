@@ -22,7 +22,7 @@ namespace {
 
 // Bumped whenever a model's or a case's numerics change without its config
 // changing (it is part of every config, so the cached references go stale).
-constexpr int kRevision = 1;
+constexpr int kRevision = 2;
 
 nlohmann::json common_config(int64_t seed, int64_t batch) {
   return {{"revision", kRevision}, {"seed", seed}, {"steps", 2}, {"global_batch", batch},
@@ -111,7 +111,7 @@ class LlmDecoderCase : public Case {
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
-                    int64_t world) const override {
+                    int64_t world, Layout /*layout*/) const override {
     auto tokens = models::random_tokens(data_seed(1234, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
     tokens = models::rank_slice(tokens, rank, world);
@@ -119,10 +119,10 @@ class LlmDecoderCase : public Case {
     const at::Tensor targets = tokens.narrow(1, 1, cfg_.seq);
     if (auto t = std::dynamic_pointer_cast<models::TPDecoderImpl>(model)) {
       fsdp::Sharded<models::TPDecoder> net(t);
-      return {t->loss(net(inputs), targets), {}};
+      return {t->loss(net(inputs), targets)};
     }
     fsdp::Sharded<models::Decoder> net(as<models::DecoderImpl>(model));
-    return {models::lm_loss(net(inputs), targets), {}};
+    return {models::lm_loss(net(inputs), targets)};
   }
   std::vector<std::string> recorded() const override {
     return {"layer0.attn.qkv.weight", "layer3.ffn.w2.weight"};
@@ -143,7 +143,9 @@ class ChunkedCeCase : public Case {
   std::string name() const override { return "chunked_ce"; }
   std::vector<std::string> plan_ids() const override { return {"L3-05"}; }
   nlohmann::json config() const override {
-    auto c = common_config(2345, 8);
+    // 16 x 128 tokens: 2 chunks of 512 per rank at np 2 (the suite's rank
+    // count), 4 on the single card.
+    auto c = common_config(2345, 16);
     c["model"] = decoder_json(cfg_);
     c["chunk_tokens"] = kChunk;
     return c;
@@ -161,13 +163,17 @@ class ChunkedCeCase : public Case {
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
-                    int64_t world) const override {
+                    int64_t world, Layout layout) const override {
     auto tokens = models::random_tokens(data_seed(2345, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
     tokens = models::rank_slice(tokens, rank, world);
     fsdp::Sharded<models::Decoder> net(as<models::DecoderImpl>(model));
-    auto out = net(tokens.narrow(1, 0, cfg_.seq), tokens.narrow(1, 1, cfg_.seq), kChunk);
-    return {out[0], out[1]};
+    models::ChunkedLoss loss;
+    loss.chunk_tokens = kChunk;
+    loss.recompute = layout == Layout::FSDP;
+    loss.unchunked = true;
+    auto out = net(tokens.narrow(1, 0, cfg_.seq), tokens.narrow(1, 1, cfg_.seq), loss);
+    return {out[0], out[1], out[2]};
   }
   std::vector<std::string> recorded() const override { return {"layer0.attn.qkv.weight"}; }
   std::map<std::string, std::vector<std::string>> sub_norms() const override {
@@ -214,14 +220,14 @@ class VitCase : public Case {
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
-                    int64_t world) const override {
+                    int64_t world, Layout /*layout*/) const override {
     auto images = models::random_images(data_seed(3456, step, 0), global_batch(), cfg_.channels,
                                         cfg_.image);
     auto labels = models::random_tokens(data_seed(3456, step, 1), global_batch(), 1, cfg_.classes)
                       .view({-1});
     fsdp::Sharded<models::ViT> net(as<models::ViTImpl>(model));
     auto logits = net(models::rank_slice(images, rank, world));
-    return {at::cross_entropy_loss(logits, models::rank_slice(labels, rank, world)), {}};
+    return {at::cross_entropy_loss(logits, models::rank_slice(labels, rank, world))};
   }
   std::vector<std::string> recorded() const override {
     return {"patch_embed.weight", "block5.mlp.fc2.weight"};
@@ -263,7 +269,7 @@ class MultimodalCase : public Case {
     return units;
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
-                    int64_t world) const override {
+                    int64_t world, Layout /*layout*/) const override {
     const auto& d = cfg_.decoder;
     auto images = models::random_images(data_seed(4567, step, 0), global_batch(),
                                         cfg_.vision.channels, cfg_.vision.image);
@@ -272,7 +278,7 @@ class MultimodalCase : public Case {
     tokens = models::rank_slice(tokens, rank, world);
     fsdp::Sharded<models::Multimodal> net(as<models::MultimodalImpl>(model));
     auto logits = net(models::rank_slice(images, rank, world), tokens.narrow(1, 0, d.seq));
-    return {models::lm_loss(logits, tokens.narrow(1, 1, d.seq)), {}};
+    return {models::lm_loss(logits, tokens.narrow(1, 1, d.seq))};
   }
   std::vector<std::string> recorded() const override {
     return {"projector.fc1.weight", "projector.fc2.weight"};
@@ -324,13 +330,12 @@ class MoELlmCase : public Case {
     return shard_layers(model, o, &expert_mesh, data_parallel_size);
   }
   LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step, int64_t rank,
-                    int64_t world) const override {
+                    int64_t world, Layout /*layout*/) const override {
     auto tokens = models::random_tokens(data_seed(kSeed, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
     tokens = models::rank_slice(tokens, rank, world);
     fsdp::Sharded<models::MoEDecoder> net(as<models::MoEDecoderImpl>(model));
-    return {models::lm_loss(net(tokens.narrow(1, 0, cfg_.seq)), tokens.narrow(1, 1, cfg_.seq)),
-            {}};
+    return {models::lm_loss(net(tokens.narrow(1, 0, cfg_.seq)), tokens.narrow(1, 1, cfg_.seq))};
   }
   // A dense, an expert and a router weight (attn.proj rather than the larger
   // qkv keeps data/ under its 30 MB budget next to the experts' [4, 512, 256]).
@@ -473,10 +478,17 @@ std::unique_ptr<Case> make_case(const std::string& name) {
   throw std::invalid_argument("unknown reference case '" + name + "' (known: " + known + ")");
 }
 
+nlohmann::json stored_config(const Case& c) {
+  nlohmann::json j = c.config();
+  j["recorded"] = c.recorded();
+  j["sub_norms"] = c.sub_norms();
+  return j;
+}
+
 std::string config_hash(const Case& c) {
   // FNV-1a 64 over the canonical (sorted-key) JSON text.
   uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : c.config().dump()) {
+  for (unsigned char ch : stored_config(c).dump()) {
     h ^= ch;
     h *= 1099511628211ull;
   }

@@ -251,7 +251,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
   for (int64_t step = 0; step < c.steps(); ++step) {
     if (spec.layout == Layout::FSDP) fsdp::reset_collective_counters();
     opt.zero_grad();
-    LocalLoss out = c.forward(model, step, data.rank, data.size);
+    LocalLoss out = c.forward(model, step, data.rank, data.size, spec.layout);
     StepRecord s;
     if (auto r = c.routing(*model)) {
       // Routing cases are data parallel over the world (no TP form).
@@ -286,6 +286,9 @@ RunRecord run(const Case& c, const RunSpec& spec) {
       }
       all.div_(w.size);
       s.chunk_losses.assign(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
+    }
+    if (out.unchunked_loss.defined()) {
+      s.unchunked_loss = mean_over_world(out.unchunked_loss.item<double>(), w);
     }
     for (const auto& name : c.recorded()) s.grads[name] = view.value(name, /*grad=*/true);
 

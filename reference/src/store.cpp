@@ -130,13 +130,13 @@ void write_reference(const std::string& path, const Case& c, const RunRecord& re
     std::string ids;
     for (const auto& id : c.plan_ids()) ids += (ids.empty() ? "" : ",") + id;
     write_string_attr(root, "plan_ids", ids);
-    write_string_attr(root, "config", c.config().dump());
+    write_string_attr(root, "config", stored_config(c).dump());
     write_string_attr(root, "config_hash", config_hash(c));
     write_string_attr(root, "libtorch_version", TORCH_VERSION);
     write_string_attr(root, "blas_core", blas_core_name());
     write_string_attr(root, "generator", "fsdp-reference (libfsdp), single process, fp32, 1 thread");
 
-    std::vector<double> loss, norm, chunks, margins;
+    std::vector<double> loss, norm, chunks, margins, unchunked;
     std::map<std::string, std::vector<double>> norms;
     size_t n_chunks = 0;
     for (const auto& s : record.steps) {
@@ -146,10 +146,19 @@ void write_reference(const std::string& path, const Case& c, const RunRecord& re
       for (const auto& [k, v] : s.norms) norms[k].push_back(v);
       n_chunks = s.chunk_losses.size();
       chunks.insert(chunks.end(), s.chunk_losses.begin(), s.chunk_losses.end());
+      if (s.unchunked_loss) unchunked.push_back(*s.unchunked_loss);
     }
     write_doubles(root, "loss", loss);
     write_doubles(root, "grad_norm", norm);
     if (n_chunks > 0) write_doubles(root, "chunk_losses", chunks, {record.steps.size(), n_chunks});
+    if (!unchunked.empty()) {
+      if (unchunked.size() != record.steps.size()) {
+        throw std::invalid_argument("write_reference: unchunked_loss recorded on " +
+                                    std::to_string(unchunked.size()) + " of " +
+                                    std::to_string(record.steps.size()) + " steps");
+      }
+      write_doubles(root, "unchunked_loss", unchunked);
+    }
     const bool routed = !record.steps.empty() && !record.steps[0].routing.empty();
     if (routed) write_doubles(root, "routing_margin", margins);
     if (!norms.empty()) {
@@ -185,6 +194,8 @@ StoredReference read_reference_unchecked(const std::string& path) {
   std::vector<hsize_t> chunk_dims;
   std::vector<double> chunks;
   if (root.nameExists("chunk_losses")) chunks = read_doubles(root, "chunk_losses", &chunk_dims);
+  std::vector<double> unchunked;
+  if (root.nameExists("unchunked_loss")) unchunked = read_doubles(root, "unchunked_loss");
   std::vector<double> margins;
   if (root.nameExists("routing_margin")) margins = read_doubles(root, "routing_margin");
   std::map<std::string, std::vector<double>> norms;
@@ -202,6 +213,7 @@ StoredReference read_reference_unchecked(const std::string& path) {
       s.chunk_losses.assign(chunks.begin() + static_cast<long>(k * n),
                             chunks.begin() + static_cast<long>((k + 1) * n));
     }
+    if (!unchunked.empty()) s.unchunked_loss = unchunked.at(k);
     H5::Group step = root.openGroup("step" + std::to_string(k));
     H5::Group grads = step.openGroup("grad");
     for (const auto& name : members(grads)) s.grads[name] = read_tensor(grads, name);

@@ -58,6 +58,10 @@ Diff compare(const ref::RunRecord& a, const ref::RunRecord& b) {
     for (size_t i = 0; i < x.chunk_losses.size() && i < y.chunk_losses.size(); ++i) {
       diff.add(s + "chunk_losses", std::abs(x.chunk_losses[i] - y.chunk_losses[i]));
     }
+    diff.add(s + "unchunked_loss", x.unchunked_loss.has_value() != y.unchunked_loss.has_value()
+                                       ? 1.0 / 0.0
+                                       : std::abs(x.unchunked_loss.value_or(0) -
+                                                  y.unchunked_loss.value_or(0)));
     diff.add(s + "routing_margin", x.routing_margin == y.routing_margin
                                        ? 0
                                        : std::abs(x.routing_margin - y.routing_margin));

@@ -30,6 +30,19 @@ struct DecoderConfig {
   int64_t ffn_dim() const;
 };
 
+// How the chunked cross-entropy splits the output layer's work.
+struct ChunkedLoss {
+  int64_t chunk_tokens = 512;  // > 0; the last chunk may be shorter
+  // true: each chunk's logits are recomputed in backward (fsdp::checkpoint),
+  // never all held at once. false: a plain loop that keeps every chunk's
+  // logits for backward -- what a baseline runs, since baselines must not
+  // use libfsdp code (test plan rule 1).
+  bool recompute = true;
+  // Also compute the CE of the whole logits in one piece, to check the
+  // chunking against; this holds all the logits at once.
+  bool unchunked = false;
+};
+
 struct DecoderImpl : torch::nn::Module {
   explicit DecoderImpl(const DecoderConfig& config);
 
@@ -40,12 +53,13 @@ struct DecoderImpl : torch::nn::Module {
   // to the visual positions after decoder layer i (DeepStack). Returns the
   // logits of the text positions only, [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& visual);
-  // Chunked cross-entropy over `chunk_tokens` tokens at a time: returns
-  // {total, per-chunk losses [n_chunks]}, each chunk's loss being its summed
-  // CE divided by the number of tokens, so they sum to `total` (the mean CE).
-  // Each chunk's logits are recomputed in backward, never all held at once.
+  // Chunked cross-entropy (see ChunkedLoss): returns {total, per-chunk
+  // losses [n_chunks]} and, with `unchunked`, a third tensor: the same mean
+  // CE computed over the whole logits in one piece (no gradient). Each
+  // chunk's loss is its summed CE divided by the number of tokens, so the
+  // chunks sum to `total` (the mean CE).
   std::vector<at::Tensor> forward(const at::Tensor& tokens, const at::Tensor& targets,
-                                  int64_t chunk_tokens);
+                                  const ChunkedLoss& loss);
 
   at::Tensor output_weight() const;
 

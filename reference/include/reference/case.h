@@ -66,6 +66,9 @@ struct StepRecord {
   double grad_norm = 0;
   std::map<std::string, double> norms;     // sub-model / layer gradient norms
   std::vector<double> chunk_losses;        // chunked CE only, global chunk order
+  // Chunked CE only: the mean CE of the same logits computed in one piece
+  // (the check that the chunks partition the loss).
+  std::optional<double> unchunked_loss;
   std::map<std::string, at::Tensor> grads;   // full gradients (fp32, CPU)
   std::map<std::string, at::Tensor> params;  // full parameters after the step
   // MoE cases: per MoE layer the chosen experts [tokens, top_k] (int64) of
@@ -86,7 +89,9 @@ struct RunRecord {
 // What a case's forward produced on this rank's slice.
 struct LocalLoss {
   at::Tensor loss;          // mean over the local slice (what backward starts from)
-  at::Tensor chunk_losses;  // [chunks] local, each a share of `loss` (optional)
+  // Chunked CE only (the others return {loss}):
+  at::Tensor chunk_losses{};    // [chunks] local, each a share of `loss`
+  at::Tensor unchunked_loss{};  // scalar: `loss` computed without chunking
 };
 
 // What a case's model routed in its last forward (MoE cases).
@@ -135,9 +140,10 @@ class Case {
   virtual std::vector<Unit> shard(const std::shared_ptr<torch::nn::Module>& model,
                                   const fsdp::FullyShardOptions& options) const = 0;
   // Forward on slice `rank` of `world` of step `step`'s global batch (the
-  // data-parallel rank and size: tp ranks share a slice).
+  // data-parallel rank and size: tp ranks share a slice). Under the Single
+  // and DDP layouts it must run no libfsdp code of its own (plan rule 1).
   virtual LocalLoss forward(const std::shared_ptr<torch::nn::Module>& model, int64_t step,
-                            int64_t rank, int64_t world) const = 0;
+                            int64_t rank, int64_t world, Layout layout) const = 0;
   // Parameters (full names) whose gradients and post-step values are recorded.
   virtual std::vector<std::string> recorded() const = 0;
   // Named gradient norms: name -> parameter-name prefixes it covers.
@@ -160,7 +166,11 @@ std::vector<std::string> case_names();
 // ArgumentError-style std::invalid_argument naming the known cases.
 std::unique_ptr<Case> make_case(const std::string& name);
 
-// Hex digest of config() (what a reference file stores).
+// config() plus what the case records (recorded(), sub_norms()): what a
+// reference file stores, so a reference that lacks a tensor the case now
+// compares is stale rather than compared over fewer names.
+nlohmann::json stored_config(const Case& c);
+// Hex digest of stored_config() (what a reference file stores).
 std::string config_hash(const Case& c);
 
 // Trains c.steps() steps under `spec`. DDP/FSDP are collective over

@@ -1,11 +1,12 @@
 // HDF5 files of single-card reference runs, data/reference/<device>/<case>.h5:
 //
-//   attributes  case, plan_ids, config (JSON), config_hash, libtorch_version,
-//               blas_core (OpenBLAS kernel set: bitwise reproducibility holds
-//               on the same one), generator
+//   attributes  case, plan_ids, config (stored_config's JSON), config_hash,
+//               libtorch_version, blas_core (OpenBLAS kernel set: bitwise
+//               reproducibility holds on the same one), generator
 //   /loss, /grad_norm                 float64 [steps]
 //   /norms/<name>                     float64 [steps]
 //   /chunk_losses                     float64 [steps, chunks]   (chunked CE)
+//   /unchunked_loss                   float64 [steps]           (chunked CE)
 //   /routing_margin                   float64 [steps]           (MoE)
 //   /step<k>/routing/<layer>          int64 [tokens, top_k]     (MoE)
 //   /step<k>/grad/<param>             float32, the parameter's shape
