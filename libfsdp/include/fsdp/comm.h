@@ -15,11 +15,15 @@
 // rank or op -> ArgumentError; an MPI/NCCL failure -> CommError with MPI's or
 // NCCL's error string (rethrown by Work::wait()); ranks of a group issuing
 // different collectives -> CommError naming both calls when FSDP_DEBUG=detail
-// (otherwise they hang until the watchdog aborts the job: fsdp/runtime.h). Supported dtypes: float32, float64, bfloat16, float16, int32,
-// int64. bfloat16/float16 SUM/AVG/MAX run through custom MPI ops that add each
-// pair of operands in float32 and round the result once to the 16-bit type
-// (so a 2-rank reduction is exactly rounded; with more ranks each partial sum
-// is rounded, as NCCL does).
+// (otherwise they hang until the watchdog aborts the job: fsdp/runtime.h).
+// Supported dtypes: float32, float64, bfloat16, float16, int32, int64.
+//
+// CPU tensors: all-gather, reduce-scatter and all-reduce run Open MPI's
+// collectives or libfsdp's own algorithms over MPI point-to-point, chosen per
+// call by CpuCollectives below. bfloat16/float16 sums and maxima accumulate
+// in float32: libfsdp's algorithms round once at the end (so any rank count
+// is exactly summed in float32, then rounded); Open MPI's go through custom
+// ops that round every partial result (exactly rounded at 2 ranks only).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,6 +39,35 @@ namespace fsdp {
 
 enum class ReduceOp { SUM, AVG, MAX };
 std::string to_string(ReduceOp op);
+
+// How the MPI backend runs all_gather_into_tensor, reduce_scatter_tensor and
+// all_reduce of CPU tensors (README, "CPU collectives").
+enum class CpuAlgorithm {
+  Auto,      // Pairwise from min_bytes per rank up, Open MPI's below
+  Mpi,       // Open MPI's collectives
+  Ring,      // a ring over point-to-point: N-1 steps with the two neighbours
+  Pairwise,  // a direct exchange with every peer; reductions in rank order
+};
+std::string to_string(CpuAlgorithm a);
+// "auto", "mpi", "ring", "pairwise"; ArgumentError naming `argument` and the
+// accepted names otherwise.
+CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& argument);
+
+struct CpuCollectives {
+  CpuAlgorithm algorithm = CpuAlgorithm::Auto;
+  // Auto only: the block size (bytes one rank sends or receives per peer:
+  // all-gather input, reduce-scatter output, all-reduce tensor / size) from
+  // which libfsdp's algorithm is used. Measured on 2 cores (README).
+  int64_t min_bytes = 64 * 1024;
+};
+// Process-wide; read when a collective is issued (queued ones keep their
+// choice). Every rank must set the same value at the same point between
+// collectives: the ranks of a group must run the same algorithm. The Runtime
+// sets it at start-up from RuntimeOptions::cpu_collectives, else
+// $FSDP_MPI_ALGO and $FSDP_MPI_ALGO_MIN_BYTES. ArgumentError("min_bytes")
+// for a negative min_bytes.
+void set_cpu_collectives(const CpuCollectives& settings);
+CpuCollectives cpu_collectives();
 
 // Handle of an issued collective.
 class Work {

@@ -12,6 +12,8 @@
 //   }
 #pragma once
 
+#include "fsdp/comm.h"
+
 #include <c10/core/Device.h>
 
 #include <mpi.h>
@@ -40,6 +42,11 @@ struct RuntimeOptions {
   // small extra all-gather per collective. Unset: on when $FSDP_DEBUG is
   // "detail" (off for "off" or empty).
   std::optional<bool> check_collectives;
+  // CPU collective algorithms (fsdp/comm.h, CpuCollectives). Unset:
+  // $FSDP_MPI_ALGO (auto, mpi, ring, pairwise; default auto) and
+  // $FSDP_MPI_ALGO_MIN_BYTES (auto's threshold in bytes; default 64 KiB).
+  // Must be the same on every rank (refused with ArgumentError otherwise).
+  std::optional<CpuCollectives> cpu_collectives;
 };
 
 class Runtime {
@@ -85,6 +92,7 @@ class Runtime {
   int num_threads_ = 1;
   double timeout_seconds_ = 600;
   bool check_collectives_ = false;
+  CpuCollectives cpu_collectives_;
   c10::Device device_{c10::kCPU};
   std::string blas_library_;
 };

@@ -1,12 +1,14 @@
-// MPI transport for CPU tensors: blocking MPI collectives executed on the
-// group's CommThread (see comm_thread.cpp), so async_op calls overlap compute.
+// MPI transport for CPU tensors: collectives executed on the group's
+// CommThread (see comm_thread.cpp), so async_op calls overlap compute. The
+// all-gather, reduce-scatter and all-reduce run Open MPI's collective or one
+// of libfsdp's algorithms over point-to-point (cpu_collectives.h), chosen at
+// issue by cpu::choose.
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "comm/process_group.h"
+#include "comm/cpu_collectives.h"
 
 #include <algorithm>
-#include <chrono>
-#include <thread>
 #include <climits>
 #include <mutex>
 #include <string>
@@ -29,24 +31,8 @@ std::vector<int> to_ints(const std::vector<int64_t>& v, const char* what) {
   return out;
 }
 
-// Waits for a nonblocking collective without keeping a core busy: a short
-// spin on MPI_Test (fast collectives finish in it), then sleeps that double
-// from 8 us up to 128 us between tests. Each test also progresses the
-// collective (Open MPI's nonblocking collectives advance inside MPI calls).
-void wait_polling(MPI_Request& r, const char* what) {
-  int done = 0;
-  for (int spins = 0; spins < 64; ++spins) {
-    check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), what);
-    if (done) return;
-  }
-  std::chrono::microseconds nap(8);
-  for (;;) {
-    std::this_thread::sleep_for(nap);
-    check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), what);
-    if (done) return;
-    nap = std::min(nap * 2, std::chrono::microseconds(128));
-  }
-}
+// Waits for a nonblocking collective without keeping a core busy.
+void wait_polling(MPI_Request& r, const char* what) { cpu::wait_requests(&r, 1, true, what); }
 
 // A started MPI point-to-point request; keeps its tensor alive until done.
 class RequestWork final : public Work, public PendingWork {
@@ -113,15 +99,26 @@ class MpiBackend final : public Backend {
   MpiBackend(MPI_Comm comm, std::string group_name, bool poll, CollectiveCheck* check)
       : comm_(comm), group_name_(std::move(group_name)), poll_(poll), check_(check) {
     check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    check_mpi(MPI_Comm_rank(comm_, &peers_.rank), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_dup(comm_, &peers_.comm), "MPI_Comm_dup");
+    peers_.size = size_;
+    peers_.poll = poll_;
   }
   ~MpiBackend() override {
-    thread_.reset();  // drain and join before the communicator goes
+    thread_.reset();  // drain and join before the communicators go
+    MPI_Comm_free(&peers_.comm);
     MPI_Comm_free(&comm_);
   }
 
   WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const int count = to_int(in.numel(), "input");
+    const CpuAlgorithm algorithm = cpu::choose(static_cast<int64_t>(in.nbytes()), size_);
+    if (algorithm != CpuAlgorithm::Mpi) {
+      return submit("all_gather", in, count, -1, async_op, [this, out, in, algorithm] {
+        cpu::all_gather(peers_, algorithm, out, in);
+      });
+    }
     return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count] {
       if (!poll_) {
         check_mpi(MPI_Allgather(in.data_ptr(), count, dt, out.data_ptr(), count, dt, comm_),
@@ -139,9 +136,12 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const MPI_Op mop = mpi_op(op, in.scalar_type());
     const int count = to_int(out.numel(), "output");
+    const CpuAlgorithm algorithm = cpu::choose(static_cast<int64_t>(out.nbytes()), size_);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
-                  [this, out, in, dt, mop, count, op] {
-      if (poll_) {
+                  [this, out, in, dt, mop, count, op, algorithm] {
+      if (algorithm != CpuAlgorithm::Mpi) {
+        cpu::reduce_scatter(peers_, algorithm, out, in, op);
+      } else if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_,
                                             &r),
@@ -159,9 +159,13 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const MPI_Op mop = mpi_op(op, t.scalar_type());
     const int count = to_int(t.numel(), "tensor");
+    const CpuAlgorithm algorithm =
+        cpu::choose(static_cast<int64_t>(t.nbytes()) / size_, size_);
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
-                  [this, t, dt, mop, count, op] {
-      if (poll_) {
+                  [this, t, dt, mop, count, op, algorithm] {
+      if (algorithm != CpuAlgorithm::Mpi) {
+        cpu::all_reduce(peers_, algorithm, t, op);
+      } else if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_, &r),
                   "MPI_Iallreduce");
@@ -284,6 +288,7 @@ class MpiBackend final : public Backend {
   bool poll_;
   CollectiveCheck* check_;  // FSDP_DEBUG=detail, else null; owned by the group
   int size_ = 1;
+  cpu::Peers peers_;  // libfsdp's own algorithms: a duplicate of comm_
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
 };

@@ -13,6 +13,7 @@
 #include <dlfcn.h>
 #include <sched.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <iostream>
@@ -81,6 +82,33 @@ bool check_collectives_from(const std::optional<bool>& option) {
                       std::string("FSDP_DEBUG='") + env + "'; accepted: detail, off or empty");
 }
 
+CpuCollectives cpu_collectives_from(const std::optional<CpuCollectives>& option) {
+  if (option) {
+    if (option->min_bytes < 0) {
+      throw ArgumentError("cpu_collectives", "RuntimeOptions::cpu_collectives.min_bytes = " +
+                                                 std::to_string(option->min_bytes) +
+                                                 "; accepted: 0 or more bytes");
+    }
+    return *option;
+  }
+  CpuCollectives c;
+  const char* algo = std::getenv("FSDP_MPI_ALGO");
+  if (algo != nullptr && *algo != '\0') c.algorithm = parse_cpu_algorithm(algo, "FSDP_MPI_ALGO");
+  const char* min = std::getenv("FSDP_MPI_ALGO_MIN_BYTES");
+  if (min != nullptr && *min != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(min, &end, 10);
+    if (*end != '\0' || errno != 0 || v < 0) {
+      throw ArgumentError("FSDP_MPI_ALGO_MIN_BYTES",
+                          std::string("FSDP_MPI_ALGO_MIN_BYTES='") + min +
+                              "'; accepted: a whole number of bytes, 0 or more");
+    }
+    c.min_bytes = v;
+  }
+  return c;
+}
+
 // OpenBLAS keeps its own pool; pin it too when it is the loaded BLAS.
 void set_blas_threads(int n) {
   using SetThreads = void (*)(int);
@@ -105,6 +133,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   if (g_runtime != nullptr) throw StateError("an fsdp::Runtime is already alive in this process");
   timeout_seconds_ = timeout_from(options.timeout_seconds);
   check_collectives_ = check_collectives_from(options.check_collectives);
+  cpu_collectives_ = cpu_collectives_from(options.cpu_collectives);
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
@@ -130,19 +159,36 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
-  // The desync check adds communicators and an exchange per collective: a
-  // rank without it would leave the others waiting, so all ranks must agree.
-  int checks[2] = {check_collectives_ ? 1 : 0, check_collectives_ ? 0 : 1};
-  int agreed[2] = {0, 0};
-  detail::check_mpi(MPI_Allreduce(checks, agreed, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD),
+  // Settings that change which messages a collective sends must agree: a
+  // rank with the desync check (communicators and an exchange per
+  // collective) or another CPU algorithm would leave the others waiting.
+  // One MPI_Allreduce(MIN) of each value and its negation finds any mismatch.
+  const int64_t mine[3] = {check_collectives_ ? 1 : 0,
+                           static_cast<int64_t>(cpu_collectives_.algorithm),
+                           cpu_collectives_.min_bytes};
+  int64_t both[6], agreed[6];
+  for (int i = 0; i < 3; ++i) {
+    both[i] = mine[i];
+    both[3 + i] = -mine[i];
+  }
+  detail::check_mpi(MPI_Allreduce(both, agreed, 6, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD),
                     "MPI_Allreduce");
-  if (agreed[0] == 0 && agreed[1] == 0) {
+  auto differs = [&](int i) { return agreed[i] != -agreed[3 + i]; };
+  if (differs(0) || differs(1) || differs(2)) {
     if (owns_mpi_) MPI_Finalize();
-    throw ArgumentError("FSDP_DEBUG",
-                        std::string("FSDP_DEBUG / RuntimeOptions::check_collectives differ across "
-                                    "ranks (this rank: ") +
-                            (check_collectives_ ? "detail" : "off") +
-                            "); set it the same on every rank");
+    if (differs(0)) {
+      throw ArgumentError("FSDP_DEBUG",
+                          std::string("FSDP_DEBUG / RuntimeOptions::check_collectives differ "
+                                      "across ranks (this rank: ") +
+                              (check_collectives_ ? "detail" : "off") +
+                              "); set it the same on every rank");
+    }
+    throw ArgumentError("FSDP_MPI_ALGO",
+                        "FSDP_MPI_ALGO / FSDP_MPI_ALGO_MIN_BYTES / "
+                        "RuntimeOptions::cpu_collectives differ across ranks (this rank: " +
+                            to_string(cpu_collectives_.algorithm) + ", min " +
+                            std::to_string(cpu_collectives_.min_bytes) +
+                            " bytes); set them the same on every rank");
   }
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
@@ -168,6 +214,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
 
   detail::init_mpi_types();
   detail::configure_comm({timeout_seconds_, check_collectives_});
+  set_cpu_collectives(cpu_collectives_);
   detail::init_group_registry();
   g_runtime = this;
   std::vector<int> everyone(static_cast<size_t>(world_size_));
@@ -180,6 +227,10 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
               << " thread(s) per rank, device " << device_.str() << ", watchdog "
               << (timeout_seconds_ > 0 ? seconds_text(timeout_seconds_) : "off")
               << (check_collectives_ ? ", collective checks on (FSDP_DEBUG=detail)" : "")
+              << ", CPU collectives " << to_string(cpu_collectives_.algorithm)
+              << (cpu_collectives_.algorithm == CpuAlgorithm::Auto
+                      ? " (pairwise from " + std::to_string(cpu_collectives_.min_bytes) + " B)"
+                      : "")
               << ", BLAS " << blas_library_
               << (blas_library_.find("openblas") == std::string::npos && !at::hasMKL()
                       ? " (not OpenBLAS or MKL: GEMMs may be ~14x slower; install libopenblas0-pthread)"

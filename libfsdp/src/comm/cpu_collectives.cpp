@@ -1,0 +1,310 @@
+#include "comm/cpu_collectives.h"
+
+#include "comm/cpu_reduce.h"
+#include "comm/process_group.h"
+#include "fsdp/errors.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fsdp {
+
+std::string to_string(CpuAlgorithm a) {
+  switch (a) {
+    case CpuAlgorithm::Auto: return "auto";
+    case CpuAlgorithm::Mpi: return "mpi";
+    case CpuAlgorithm::Ring: return "ring";
+    case CpuAlgorithm::Pairwise: return "pairwise";
+  }
+  return "unknown";
+}
+
+CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& argument) {
+  for (CpuAlgorithm a : {CpuAlgorithm::Auto, CpuAlgorithm::Mpi, CpuAlgorithm::Ring,
+                         CpuAlgorithm::Pairwise}) {
+    if (text == to_string(a)) return a;
+  }
+  throw ArgumentError(argument, "'" + argument + "' = '" + text +
+                                    "'; accepted: auto, mpi, ring, pairwise");
+}
+
+namespace {
+std::mutex g_settings_mu;
+CpuCollectives g_settings;
+}  // namespace
+
+void set_cpu_collectives(const CpuCollectives& settings) {
+  if (settings.min_bytes < 0) {
+    throw ArgumentError("min_bytes", "set_cpu_collectives: 'min_bytes' = " +
+                                         std::to_string(settings.min_bytes) +
+                                         "; accepted: 0 or more bytes");
+  }
+  std::lock_guard<std::mutex> lock(g_settings_mu);
+  g_settings = settings;
+}
+
+CpuCollectives cpu_collectives() {
+  std::lock_guard<std::mutex> lock(g_settings_mu);
+  return g_settings;
+}
+
+}  // namespace fsdp
+
+namespace fsdp::detail::cpu {
+namespace {
+
+// One tag: the communicator is the algorithms' own, its collectives run one
+// at a time (the backend's comm thread), and MPI does not reorder messages
+// between a pair on one tag.
+constexpr int kTag = 17;
+// Per-peer chunk of the pairwise reduce-scatter: small enough that what was
+// received is still in L2 when it is added (measured: README).
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// Elements per rank and where they start.
+struct Blocks {
+  std::vector<int64_t> count, displ;
+  int64_t max_count() const { return *std::max_element(count.begin(), count.end()); }
+};
+
+Blocks even_blocks(int64_t block, int n) {
+  Blocks b;
+  for (int i = 0; i < n; ++i) {
+    b.count.push_back(block);
+    b.displ.push_back(block * i);
+  }
+  return b;
+}
+
+Blocks split_blocks(int64_t numel, int n) {
+  Blocks b;
+  int64_t at = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t c = numel / n + (i < numel % n ? 1 : 0);
+    b.count.push_back(c);
+    b.displ.push_back(at);
+    at += c;
+  }
+  return b;
+}
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+Combine combine_of(ReduceOp op) { return op == ReduceOp::MAX ? Combine::Max : Combine::Sum; }
+
+// The requests of one exchange round; the buffers belong to the caller.
+class Round {
+ public:
+  explicit Round(const Peers& p) : p_(p) {}
+  void send(const void* buf, int64_t n, MPI_Datatype dt, int peer) {
+    if (n == 0) return;
+    reqs_.push_back(MPI_REQUEST_NULL);
+    check_mpi(MPI_Isend(buf, static_cast<int>(n), dt, peer, kTag, p_.comm, &reqs_.back()),
+              "MPI_Isend");
+  }
+  void recv(void* buf, int64_t n, MPI_Datatype dt, int peer) {
+    if (n == 0) return;
+    reqs_.push_back(MPI_REQUEST_NULL);
+    check_mpi(MPI_Irecv(buf, static_cast<int>(n), dt, peer, kTag, p_.comm, &reqs_.back()),
+              "MPI_Irecv");
+  }
+  void wait(const char* what) {
+    wait_requests(reqs_.data(), static_cast<int>(reqs_.size()), p_.poll, what);
+    reqs_.clear();
+  }
+
+ private:
+  const Peers& p_;
+  std::vector<MPI_Request> reqs_;
+};
+
+char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+void pairwise_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
+                     const Blocks& b) {
+  const MPI_Datatype dt = mpi_datatype(t, "input");
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  char* own = out + b.displ[p.rank] * es;
+  if (own != mine) std::memcpy(own, mine, static_cast<size_t>(b.count[p.rank] * es));
+  Round round(p);
+  for (int s = 1; s < p.size; ++s) {
+    const int from = mod(p.rank - s, p.size);
+    round.recv(out + b.displ[from] * es, b.count[from], dt, from);
+  }
+  for (int s = 1; s < p.size; ++s) {
+    round.send(own, b.count[p.rank], dt, mod(p.rank + s, p.size));
+  }
+  round.wait("all_gather (pairwise)");
+}
+
+void ring_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
+                 const Blocks& b) {
+  const MPI_Datatype dt = mpi_datatype(t, "input");
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  char* own = out + b.displ[p.rank] * es;
+  if (own != mine) std::memcpy(own, mine, static_cast<size_t>(b.count[p.rank] * es));
+  const int right = mod(p.rank + 1, p.size), left = mod(p.rank - 1, p.size);
+  Round round(p);
+  for (int s = 0; s + 1 < p.size; ++s) {
+    const int send_b = mod(p.rank - s, p.size), recv_b = mod(p.rank - s - 1, p.size);
+    round.recv(out + b.displ[recv_b] * es, b.count[recv_b], dt, left);
+    round.send(out + b.displ[send_b] * es, b.count[send_b], dt, right);
+    round.wait("all_gather (ring)");
+  }
+}
+
+// out (b.count[rank] elements) <- rank's block of the reduction of every
+// rank's `in`. out may alias rank's block of `in` (all-reduce).
+void pairwise_reduce(const Peers& p, c10::ScalarType t, Combine c, char* out, const char* in,
+                     const Blocks& b) {
+  const MPI_Datatype dt = mpi_datatype(t, "input");
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  const int n = p.size;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / es);
+  auto chunks_of = [&](int r) { return (b.count[r] + chunk - 1) / chunk; };
+  int64_t rounds = 0;
+  for (int r = 0; r < n; ++r) rounds = std::max(rounds, chunks_of(r));
+  // One slot per rank: this rank's own chunk is copied into its slot when
+  // out aliases the input, so the fold never overwrites an operand it has
+  // still to read.
+  const char* own_in = in + b.displ[p.rank] * es;
+  const bool aliased = out == own_in;
+  at::Tensor stage = at::empty({n * std::min(chunk, b.max_count())}, at::TensorOptions(t));
+  at::Tensor scratch = acc_type(t) == t ? at::Tensor()
+                                        : at::empty({std::min(chunk, b.max_count())},
+                                                    at::TensorOptions(at::kFloat));
+  const int64_t slot = std::min(chunk, b.max_count()) * es;
+  std::vector<const void*> xs(static_cast<size_t>(n));
+  Round round(p);
+  for (int64_t k = 0; k < rounds; ++k) {
+    const int64_t start = k * chunk;
+    const int64_t len = std::clamp<int64_t>(b.count[p.rank] - start, 0, chunk);
+    for (int s = 1; s < n; ++s) {
+      const int from = mod(p.rank - s, n);
+      round.recv(bytes(stage) + from * slot, len, dt, from);
+    }
+    for (int s = 1; s < n; ++s) {
+      const int to = mod(p.rank + s, n);
+      const int64_t their = std::clamp<int64_t>(b.count[to] - start, 0, chunk);
+      round.send(in + (b.displ[to] + start) * es, their, dt, to);
+    }
+    if (len > 0 && aliased) {
+      std::memcpy(bytes(stage) + p.rank * slot, own_in + start * es, static_cast<size_t>(len * es));
+    }
+    round.wait("reduce_scatter (pairwise)");
+    if (len == 0) continue;
+    for (int r = 0; r < n; ++r) {
+      xs[static_cast<size_t>(r)] = r == p.rank && !aliased ? own_in + start * es
+                                                           : bytes(stage) + r * slot;
+    }
+    fold(t, c, out + start * es, xs.data(), n, len,
+         scratch.defined() ? scratch.data_ptr<float>() : nullptr);
+  }
+}
+
+void ring_reduce(const Peers& p, c10::ScalarType t, Combine c, char* out, const char* in,
+                 const Blocks& b) {
+  const c10::ScalarType at_t = acc_type(t);
+  const MPI_Datatype acc_dt = mpi_datatype(at_t, "input");
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  const auto aes = static_cast<int64_t>(c10::elementSize(at_t));
+  const int n = p.size;
+  const int right = mod(p.rank + 1, n), left = mod(p.rank - 1, n);
+  at::Tensor bufs = at::empty({2, std::max<int64_t>(1, b.max_count())}, at::TensorOptions(at_t));
+  char* send_buf = bytes(bufs);
+  char* recv_buf = send_buf + bufs.size(1) * aes;
+  const int first = mod(p.rank - 1, n);
+  const char* sending = in + b.displ[first] * es;
+  if (at_t != t) {
+    widen(t, send_buf, sending, b.count[first]);
+    sending = send_buf;
+  }
+  Round round(p);
+  for (int s = 0; s + 1 < n; ++s) {
+    const int send_b = mod(p.rank - s - 1, n), recv_b = mod(p.rank - s - 2, n);
+    round.recv(recv_buf, b.count[recv_b], acc_dt, left);
+    round.send(sending, b.count[send_b], acc_dt, right);
+    round.wait("reduce_scatter (ring)");
+    accumulate(t, c, recv_buf, in + b.displ[recv_b] * es, b.count[recv_b]);
+    std::swap(send_buf, recv_buf);
+    sending = send_buf;
+  }
+  // The last block received is this rank's: (rank - (n - 2) - 2) mod n.
+  narrow(t, out, sending, b.count[p.rank]);
+}
+
+void reduce(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, ReduceOp op, char* out,
+            const char* in, const Blocks& b) {
+  if (algorithm == CpuAlgorithm::Ring) {
+    ring_reduce(p, t, combine_of(op), out, in, b);
+  } else {
+    pairwise_reduce(p, t, combine_of(op), out, in, b);
+  }
+}
+
+void gather(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, char* out,
+            const char* mine, const Blocks& b) {
+  if (algorithm == CpuAlgorithm::Ring) {
+    ring_gather(p, t, out, mine, b);
+  } else {
+    pairwise_gather(p, t, out, mine, b);
+  }
+}
+
+}  // namespace
+
+CpuAlgorithm choose(int64_t block_bytes, int size) {
+  if (size == 1) return CpuAlgorithm::Mpi;
+  const CpuCollectives s = cpu_collectives();
+  if (s.algorithm != CpuAlgorithm::Auto) return s.algorithm;
+  return block_bytes >= s.min_bytes ? CpuAlgorithm::Pairwise : CpuAlgorithm::Mpi;
+}
+
+void wait_requests(MPI_Request* requests, int n, bool poll, const char* what) {
+  if (n == 0) return;
+  if (!poll) {
+    check_mpi(MPI_Waitall(n, requests, MPI_STATUSES_IGNORE), what);
+    return;
+  }
+  int done = 0;
+  for (int spins = 0; spins < 64; ++spins) {
+    check_mpi(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), what);
+    if (done) return;
+  }
+  std::chrono::microseconds nap(8);
+  for (;;) {
+    std::this_thread::sleep_for(nap);
+    check_mpi(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), what);
+    if (done) return;
+    nap = std::min(nap * 2, std::chrono::microseconds(128));
+  }
+}
+
+void all_gather(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& out,
+                const at::Tensor& in) {
+  gather(p, algorithm, in.scalar_type(), bytes(out), static_cast<const char*>(in.data_ptr()),
+         even_blocks(in.numel(), p.size));
+}
+
+void reduce_scatter(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& out,
+                    const at::Tensor& in, ReduceOp op) {
+  reduce(p, algorithm, in.scalar_type(), op, bytes(out), static_cast<const char*>(in.data_ptr()),
+         even_blocks(out.numel(), p.size));
+}
+
+void all_reduce(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& t, ReduceOp op) {
+  const Blocks b = split_blocks(t.numel(), p.size);
+  const auto es = static_cast<int64_t>(c10::elementSize(t.scalar_type()));
+  char* own = bytes(t) + b.displ[p.rank] * es;
+  reduce(p, algorithm, t.scalar_type(), op, own, bytes(t), b);
+  gather(p, algorithm, t.scalar_type(), bytes(t), own, b);
+}
+
+}  // namespace fsdp::detail::cpu
