@@ -207,6 +207,9 @@ std::string basename_of(const char* path) {
 std::string run_stem(const std::string& exe, const c10::Device& dev) {
   std::string stem = exe + "_np" + std::to_string(world_size());
   if (!dev.is_cpu()) stem += "_" + c10::DeviceTypeName(dev.type(), /*lower_case=*/true);
+  // Entries that rerun a suite under a forced CPU algorithm keep files apart.
+  const char* algo = std::getenv("FSDP_MPI_ALGO");
+  if (algo != nullptr && *algo != '\0') stem += std::string("_") + algo;
   return stem;
 }
 

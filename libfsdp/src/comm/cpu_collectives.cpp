@@ -99,6 +99,9 @@ int mod(int a, int n) { return ((a % n) + n) % n; }
 
 Combine combine_of(ReduceOp op) { return op == ReduceOp::MAX ? Combine::Max : Combine::Sum; }
 
+// AVG divides in the accumulation type, before the one rounding.
+double divisor_of(ReduceOp op, int n) { return op == ReduceOp::AVG ? n : 1; }
+
 // The requests of one exchange round; the buffers belong to the caller.
 class Round {
  public:
@@ -162,7 +165,7 @@ void ring_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
 
 // out (b.count[rank] elements) <- rank's block of the reduction of every
 // rank's `in`. out may alias rank's block of `in` (all-reduce).
-void pairwise_reduce(const Peers& p, c10::ScalarType t, Combine c, char* out, const char* in,
+void pairwise_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out, const char* in,
                      const Blocks& b) {
   const MPI_Datatype dt = mpi_datatype(t, "input");
   const auto es = static_cast<int64_t>(c10::elementSize(t));
@@ -204,12 +207,12 @@ void pairwise_reduce(const Peers& p, c10::ScalarType t, Combine c, char* out, co
       xs[static_cast<size_t>(r)] = r == p.rank && !aliased ? own_in + start * es
                                                            : bytes(stage) + r * slot;
     }
-    fold(t, c, out + start * es, xs.data(), n, len,
+    fold(t, combine_of(op), out + start * es, xs.data(), n, len, divisor_of(op, n),
          scratch.defined() ? scratch.data_ptr<float>() : nullptr);
   }
 }
 
-void ring_reduce(const Peers& p, c10::ScalarType t, Combine c, char* out, const char* in,
+void ring_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out, const char* in,
                  const Blocks& b) {
   const c10::ScalarType at_t = acc_type(t);
   const MPI_Datatype acc_dt = mpi_datatype(at_t, "input");
@@ -232,20 +235,20 @@ void ring_reduce(const Peers& p, c10::ScalarType t, Combine c, char* out, const 
     round.recv(recv_buf, b.count[recv_b], acc_dt, left);
     round.send(sending, b.count[send_b], acc_dt, right);
     round.wait("reduce_scatter (ring)");
-    accumulate(t, c, recv_buf, in + b.displ[recv_b] * es, b.count[recv_b]);
+    accumulate(t, combine_of(op), recv_buf, in + b.displ[recv_b] * es, b.count[recv_b]);
     std::swap(send_buf, recv_buf);
     sending = send_buf;
   }
   // The last block received is this rank's: (rank - (n - 2) - 2) mod n.
-  narrow(t, out, sending, b.count[p.rank]);
+  narrow(t, out, sending, b.count[p.rank], divisor_of(op, n));
 }
 
 void reduce(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, ReduceOp op, char* out,
             const char* in, const Blocks& b) {
   if (algorithm == CpuAlgorithm::Ring) {
-    ring_reduce(p, t, combine_of(op), out, in, b);
+    ring_reduce(p, t, op, out, in, b);
   } else {
-    pairwise_reduce(p, t, combine_of(op), out, in, b);
+    pairwise_reduce(p, t, op, out, in, b);
   }
 }
 

@@ -41,22 +41,35 @@ void accumulate_loop(A* acc, const X* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = apply<A>(C, acc[i], static_cast<A>(x[i]));
 }
 
+// out[i] = acc[i] / divisor, rounded to T; divisor is 1 for integers.
+template <typename T, typename A>
+void narrow_loop(T* out, const A* acc, int64_t n, double divisor) {
+  if (divisor == 1) {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(acc[i]);
+  } else {
+    const A d = static_cast<A>(divisor);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(acc[i] / d);
+  }
+}
+
 template <Combine C, typename T>
-void fold_typed(T* out, const void* const* xs, int nx, int64_t n, float* scratch) {
+void fold_typed(T* out, const void* const* xs, int nx, int64_t n, double divisor,
+                float* scratch) {
   using A = typename Acc<T>::type;
   const T* x0 = static_cast<const T*>(xs[0]);
   if constexpr (std::is_same_v<A, T>) {
     if (nx == 1) {
       if (out != x0) std::memmove(out, x0, static_cast<size_t>(n) * sizeof(T));
-      return;
+    } else {
+      const T* x1 = static_cast<const T*>(xs[1]);
+      for (int64_t i = 0; i < n; ++i) out[i] = apply<T>(C, x0[i], x1[i]);
+      for (int k = 2; k < nx; ++k) accumulate_loop<C>(out, static_cast<const T*>(xs[k]), n);
     }
-    const T* x1 = static_cast<const T*>(xs[1]);
-    for (int64_t i = 0; i < n; ++i) out[i] = apply<T>(C, x0[i], x1[i]);
-    for (int k = 2; k < nx; ++k) accumulate_loop<C>(out, static_cast<const T*>(xs[k]), n);
+    if (divisor != 1) narrow_loop(out, out, n, divisor);
   } else {
     for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(x0[i]);
     for (int k = 1; k < nx; ++k) accumulate_loop<C>(scratch, static_cast<const T*>(xs[k]), n);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(scratch[i]);
+    narrow_loop(out, scratch, n, divisor);
   }
 }
 
@@ -82,13 +95,13 @@ c10::ScalarType acc_type(c10::ScalarType t) {
 }
 
 void fold(c10::ScalarType t, Combine c, void* out, const void* const* xs, int nx, int64_t n,
-          float* scratch) {
+          double divisor, float* scratch) {
   dispatch(t, [&](auto tag) {
     using T = decltype(tag);
     if (c == Combine::Sum) {
-      fold_typed<Combine::Sum>(static_cast<T*>(out), xs, nx, n, scratch);
+      fold_typed<Combine::Sum>(static_cast<T*>(out), xs, nx, n, divisor, scratch);
     } else {
-      fold_typed<Combine::Max>(static_cast<T*>(out), xs, nx, n, scratch);
+      fold_typed<Combine::Max>(static_cast<T*>(out), xs, nx, n, divisor, scratch);
     }
   });
 }
@@ -115,13 +128,11 @@ void widen(c10::ScalarType t, void* acc, const void* x, int64_t n) {
   });
 }
 
-void narrow(c10::ScalarType t, void* out, const void* acc, int64_t n) {
+void narrow(c10::ScalarType t, void* out, const void* acc, int64_t n, double divisor) {
   dispatch(t, [&](auto tag) {
     using T = decltype(tag);
     using A = typename Acc<T>::type;
-    T* o = static_cast<T*>(out);
-    const A* a = static_cast<const A*>(acc);
-    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(a[i]);
+    narrow_loop(static_cast<T*>(out), static_cast<const A*>(acc), n, divisor);
   });
 }
 

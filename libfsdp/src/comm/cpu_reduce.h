@@ -19,18 +19,19 @@ enum class Combine { Sum, Max };  // Max propagates NaN, as torch.max does
 // float32 for bfloat16/float16, else t itself.
 c10::ScalarType acc_type(c10::ScalarType t);
 
-// out[i] = ((xs[0][i] op xs[1][i]) op xs[2][i]) ... op xs[nx-1][i], in the
-// accumulation type, rounded once into out (dtype t). nx >= 1. out may be one
-// of the xs. scratch: n floats, used for 16-bit types only.
+// out[i] = ((xs[0][i] op xs[1][i]) op xs[2][i]) ... op xs[nx-1][i], divided
+// by `divisor` (AVG; 1 otherwise), in the accumulation type, rounded once
+// into out (dtype t). nx >= 1. out may be xs[0] or xs[1], not a later one.
+// scratch: n floats, used for 16-bit types only.
 void fold(c10::ScalarType t, Combine c, void* out, const void* const* xs, int nx, int64_t n,
-          float* scratch);
+          double divisor, float* scratch);
 
 // acc[i] = acc[i] op x[i]; acc in acc_type(t), x in t.
 void accumulate(c10::ScalarType t, Combine c, void* acc, const void* x, int64_t n);
 
-// acc (acc_type(t)) <- x (t), and back (rounding once). Plain copies when
-// acc_type(t) == t.
+// acc (acc_type(t)) <- x (t), and out (t) <- acc / divisor, rounding once.
+// Plain copies when acc_type(t) == t and divisor == 1.
 void widen(c10::ScalarType t, void* acc, const void* x, int64_t n);
-void narrow(c10::ScalarType t, void* out, const void* acc, int64_t n);
+void narrow(c10::ScalarType t, void* out, const void* acc, int64_t n, double divisor);
 
 }  // namespace fsdp::detail::cpu

@@ -140,8 +140,10 @@ class MpiBackend final : public Backend {
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
                   [this, out, in, dt, mop, count, op, algorithm] {
       if (algorithm != CpuAlgorithm::Mpi) {
-        cpu::reduce_scatter(peers_, algorithm, out, in, op);
-      } else if (poll_) {
+        cpu::reduce_scatter(peers_, algorithm, out, in, op);  // AVG divides inside
+        return;
+      }
+      if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_,
                                             &r),
@@ -164,8 +166,10 @@ class MpiBackend final : public Backend {
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
                   [this, t, dt, mop, count, op, algorithm] {
       if (algorithm != CpuAlgorithm::Mpi) {
-        cpu::all_reduce(peers_, algorithm, t, op);
-      } else if (poll_) {
+        cpu::all_reduce(peers_, algorithm, t, op);  // AVG divides inside
+        return;
+      }
+      if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_, &r),
                   "MPI_Iallreduce");

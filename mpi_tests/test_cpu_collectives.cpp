@@ -1,0 +1,332 @@
+// L0: libfsdp's own CPU collective algorithms (ring, pairwise; fsdp/comm.h
+// CpuCollectives) against references computed from every rank's input.
+//
+// The inputs are exchanged with a raw MPI_Allgather on a private duplicate
+// of MPI_COMM_WORLD, never through libfsdp. Each result is checked three
+// ways:
+//   - against the sum (or max) in double: within the accumulation type's
+//     rounding bound, and for 16-bit types at 2 ranks exactly rounded;
+//   - bitwise against the documented reduction order, computed here with
+//     plain ATen ops: pairwise sums ranks 0, 1, ..., N-1 in order, ring
+//     sums block b from rank b+1 round to rank b, both in float32 for
+//     16-bit types, AVG dividing there, with one final rounding;
+//   - rerun bitwise identical, and for all-reduce the same bits on every
+//     rank.
+// Sizes: tiny (fewer elements than ranks for all-reduce), uneven, and past
+// the pairwise chunk (256 KiB per peer); groups: the world, and at 4 ranks
+// both dims of a 2x2 mesh. Runs at np 2, 3 (no power-of-two assumption)
+// and 4.
+#include "spmd.h"
+
+#include <fsdp/comm.h>
+#include <fsdp/errors.h>
+#include <fsdp/mesh.h>
+
+#include <ATen/ATen.h>
+
+#include <mpi.h>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using fsdp::CpuAlgorithm;
+using fsdp::ProcessGroupPtr;
+using fsdp::ReduceOp;
+
+MPI_Comm g_ref_comm = MPI_COMM_NULL;
+
+struct ReferenceComm {
+  ReferenceComm() { MPI_Comm_dup(MPI_COMM_WORLD, &g_ref_comm); }
+  ~ReferenceComm() { MPI_Comm_free(&g_ref_comm); }
+};
+BOOST_TEST_GLOBAL_FIXTURE(ReferenceComm);
+
+// Restores the start-up settings after each case.
+struct KeepSettings {
+  fsdp::CpuCollectives saved = fsdp::cpu_collectives();
+  ~KeepSettings() { fsdp::set_cpu_collectives(saved); }
+};
+
+void use(CpuAlgorithm a) { fsdp::set_cpu_collectives({a, 0}); }
+
+// Every world rank's `mine` (same numel everywhere), [world, numel], raw bytes.
+at::Tensor gather_world(const at::Tensor& mine) {
+  const int n = spmd::world_size();
+  at::Tensor all = at::empty({n, mine.numel()}, mine.options());
+  const int bytes = static_cast<int>(mine.nbytes());
+  MPI_Allgather(mine.data_ptr(), bytes, MPI_BYTE, all.data_ptr(), bytes, MPI_BYTE, g_ref_comm);
+  return all;
+}
+
+// The group's members' rows of gather_world, in group-rank order.
+at::Tensor group_rows(const at::Tensor& world_rows, const ProcessGroupPtr& g) {
+  std::vector<int64_t> idx(g->world_ranks().begin(), g->world_ranks().end());
+  return world_rows.index_select(0, at::tensor(idx, at::kLong));
+}
+
+// Distinct, sign-mixed values per rank and element; integers stay small.
+at::Tensor input(c10::ScalarType t, int64_t numel, int salt) {
+  at::Tensor base = at::arange(numel, at::kDouble);
+  at::Tensor v = at::sin(base * 0.37 + (spmd::rank() + 1) * 1.3 + salt) * 4.0 +
+                 0.01 * (spmd::rank() + 1);
+  if (!at::isFloatingType(t)) v = at::round(v * 10);
+  return v.to(t).contiguous();
+}
+
+c10::ScalarType acc_of(c10::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf ? at::kFloat : t;
+}
+
+// rows [n, m] -> the left fold over `order` of rows in the accumulation
+// type (divided by n there for AVG), rounded once to rows' dtype.
+at::Tensor fold(const at::Tensor& rows, const std::vector<int64_t>& order, ReduceOp op) {
+  at::Tensor acc = rows[order[0]].to(acc_of(rows.scalar_type()));
+  for (size_t k = 1; k < order.size(); ++k) {
+    at::Tensor x = rows[order[k]].to(acc.scalar_type());
+    acc = op == ReduceOp::MAX ? at::maximum(acc, x) : acc + x;
+  }
+  if (op == ReduceOp::AVG) acc = acc / static_cast<double>(order.size());
+  return acc.to(rows.scalar_type());
+}
+
+// The documented order of block `b` of n for the algorithm.
+std::vector<int64_t> order_of(CpuAlgorithm a, int64_t b, int64_t n) {
+  std::vector<int64_t> order;
+  for (int64_t k = 0; k < n; ++k) order.push_back(a == CpuAlgorithm::Ring ? (b + 1 + k) % n : k);
+  return order;
+}
+
+// Worst |got - want| over the allowed error: <= 1 passes. The bound for
+// sums: half an ulp of the 16-bit result (rounded once) plus n ulps of the
+// accumulation type's error on sum |x|; exact for integers and max.
+double error_ratio(const at::Tensor& got, const at::Tensor& rows, ReduceOp op) {
+  const at::Tensor d = rows.to(at::kDouble);
+  const int64_t n = rows.size(0);
+  at::Tensor want = op == ReduceOp::MAX ? std::get<0>(d.max(0)) : d.sum(0);
+  if (op == ReduceOp::AVG) want = want / static_cast<double>(n);
+  const at::Tensor err = (got.to(at::kDouble) - want).abs();
+  const auto t = rows.scalar_type();
+  if (!at::isFloatingType(t) || op == ReduceOp::MAX) {
+    return err.max().item<double>() == 0 ? 0.0 : 1e30;
+  }
+  const double acc_eps = acc_of(t) == at::kDouble ? 0x1p-52 : 0x1p-23;
+  at::Tensor bound = d.abs().sum(0) * (acc_eps * static_cast<double>(n + 1));
+  if (op == ReduceOp::AVG) bound = bound / static_cast<double>(n);
+  if (acc_of(t) != t) {
+    const double half_ulp = t == at::kBFloat16 ? 0x1p-8 : 0x1p-11;
+    bound = bound + want.abs() * half_ulp;
+  }
+  bound = bound + 1e-300;
+  return (err / bound).max().item<double>();
+}
+
+const std::vector<c10::ScalarType> kFloatTypes{at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
+const std::vector<c10::ScalarType> kAllTypes{at::kFloat, at::kDouble, at::kBFloat16,
+                                             at::kHalf,  at::kInt,    at::kLong};
+// Elements per rank's block: 1, odd, and past the 256 KiB per-peer chunk
+// for every dtype (2-byte: 131072 elements per chunk).
+const std::vector<int64_t> kBlocks{1, 7, 1000, 140001};
+
+std::vector<ProcessGroupPtr> groups() {
+  const int n = spmd::world_size();
+  std::vector<ProcessGroupPtr> out{fsdp::world_group()};
+  if (n == 4) {
+    auto mesh = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"a", "b"});
+    out.push_back(mesh.get_group("a"));
+    out.push_back(mesh.get_group("b"));
+  }
+  return out;
+}
+
+std::string what(CpuAlgorithm a, const char* op, c10::ScalarType t, int64_t block,
+                 const ProcessGroupPtr& g, ReduceOp r) {
+  return std::string(op) + " " + fsdp::to_string(a) + " " + c10::toString(t) + " block " +
+         std::to_string(block) + " on " + g->name() + " op " + fsdp::to_string(r);
+}
+
+void check_reduce_scatter(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType t,
+                          int64_t block, ReduceOp op) {
+  const int n = g->size();
+  const at::Tensor in = input(t, block * n, static_cast<int>(block));
+  at::Tensor out = at::full({block}, 99, in.options());
+  use(a);
+  g->reduce_scatter_tensor(out, in, op);
+  const std::string label = what(a, "reduce_scatter", t, block, g, op);
+  const at::Tensor rows = group_rows(gather_world(in), g).view({n, n, block});
+  const at::Tensor mine = rows.select(1, g->rank());  // [n, block]: every rank's share of my block
+  BOOST_TEST(error_ratio(out, mine, op) <= 1.0, label);
+  const at::Tensor want = fold(mine, order_of(a, g->rank(), n), op);
+  BOOST_TEST(at::equal(out, want), label << ": not the documented reduction order");
+  if (n == 2 && acc_of(t) != t && op == ReduceOp::SUM) {
+    BOOST_TEST(at::equal(out, mine.to(at::kDouble).sum(0).to(t)), label << ": not exactly rounded");
+  }
+  at::Tensor again = at::empty_like(out);
+  g->reduce_scatter_tensor(again, in, op);
+  BOOST_TEST(at::equal(out, again), label << ": rerun differs");
+}
+
+void check_all_gather(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType t, int64_t block) {
+  const int n = g->size();
+  const at::Tensor in = input(t, block, static_cast<int>(block));
+  at::Tensor out = at::full({block * n}, 99, in.options());
+  use(a);
+  g->all_gather_into_tensor(out, in);
+  const at::Tensor want = group_rows(gather_world(in), g).reshape({-1});
+  BOOST_TEST(at::equal(out, want), what(a, "all_gather", t, block, g, ReduceOp::SUM));
+}
+
+void check_all_reduce(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType t, int64_t numel,
+                      ReduceOp op) {
+  const int n = g->size();
+  const at::Tensor in = input(t, numel, static_cast<int>(numel) + 3);
+  at::Tensor got = in.clone();
+  use(a);
+  g->all_reduce(got, op);
+  const std::string label = what(a, "all_reduce", t, numel, g, op);
+  const at::Tensor rows = group_rows(gather_world(in), g);
+  BOOST_TEST(error_ratio(got, rows, op) <= 1.0, label);
+  // Blocks of numel / n, the first numel % n one longer, each reduced in its
+  // algorithm's order.
+  std::vector<at::Tensor> parts;
+  int64_t at = 0;
+  for (int b = 0; b < n; ++b) {
+    const int64_t c = numel / n + (b < numel % n ? 1 : 0);
+    parts.push_back(fold(rows.narrow(1, at, c), order_of(a, b, n), op));
+    at += c;
+  }
+  BOOST_TEST(at::equal(got, at::cat(parts)), label << ": not the documented reduction order");
+  // The same bits on every rank of the group.
+  const at::Tensor everyone = group_rows(gather_world(got), g);
+  BOOST_TEST(at::equal(everyone, got.unsqueeze(0).expand_as(everyone)), label << ": ranks differ");
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(reduce_scatter_every_algorithm_dtype_op_and_size) {
+  KeepSettings keep;
+  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+    for (const auto& g : groups()) {
+      for (auto t : kAllTypes) {
+        for (int64_t block : kBlocks) {
+          for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
+            if (op == ReduceOp::AVG && !at::isFloatingType(t)) continue;  // AVG needs floats
+            check_reduce_scatter(a, g, t, block, op);
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {
+  KeepSettings keep;
+  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+    for (const auto& g : groups()) {
+      for (auto t : kAllTypes) {
+        for (int64_t block : kBlocks) check_all_gather(a, g, t, block);
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(all_reduce_every_algorithm_dtype_op_and_uneven_size) {
+  KeepSettings keep;
+  const int64_t n = spmd::world_size();
+  // Fewer elements than ranks (empty blocks), uneven, and past the chunk.
+  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+    for (const auto& g : groups()) {
+      for (auto t : kAllTypes) {
+        for (int64_t numel : {int64_t{1}, n + 1, 1000 * n + 1, 140001 * n + n - 1}) {
+          for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
+            if (op == ReduceOp::AVG && !at::isFloatingType(t)) continue;
+            check_all_reduce(a, g, t, numel, op);
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(max_propagates_nan) {
+  KeepSettings keep;
+  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+    for (auto t : kFloatTypes) {
+      at::Tensor x = at::zeros({8}, at::TensorOptions(t));
+      if (spmd::rank() == spmd::world_size() - 1) x[3] = std::numeric_limits<double>::quiet_NaN();
+      use(a);
+      fsdp::world_group()->all_reduce(x, ReduceOp::MAX);
+      BOOST_TEST(at::isnan(x[3]).item<bool>(), fsdp::to_string(a) << " " << c10::toString(t));
+      BOOST_TEST(x.narrow(0, 0, 3).eq(0).all().item<bool>());
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {
+  // Several queued on the comm thread at once, waited in reverse: each
+  // keeps its own buffers and its own algorithm (chosen at issue).
+  KeepSettings keep;
+  const auto g = fsdp::world_group();
+  const int n = g->size();
+  std::vector<at::Tensor> ins, outs;
+  std::vector<fsdp::WorkPtr> works;
+  for (int k = 0; k < 6; ++k) {
+    use(k % 2 == 0 ? CpuAlgorithm::Ring : CpuAlgorithm::Pairwise);
+    ins.push_back(input(at::kFloat, 70001 * n, k));
+    outs.push_back(at::empty({70001}, at::kFloat));
+    works.push_back(g->reduce_scatter_tensor(outs.back(), ins.back(), ReduceOp::SUM, true));
+  }
+  for (int k = 5; k >= 0; --k) works[static_cast<size_t>(k)]->wait();
+  for (int k = 0; k < 6; ++k) {
+    const at::Tensor rows = gather_world(ins[static_cast<size_t>(k)]).view({n, n, 70001});
+    BOOST_TEST(error_ratio(outs[static_cast<size_t>(k)], rows.select(1, g->rank()), ReduceOp::SUM) <= 1.0,
+               "async #" << k);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(auto_switches_at_min_bytes_and_mpi_stays_available) {
+  // Every algorithm, auto on both sides of its threshold and Open MPI's
+  // collectives give results within the bound; pairwise's order is checked
+  // above, so here the check is that each choice runs and agrees.
+  KeepSettings keep;
+  const auto g = fsdp::world_group();
+  const int n = g->size();
+  const at::Tensor in = input(at::kFloat, 5000 * n, 1);
+  const at::Tensor rows = gather_world(in).view({n, n, 5000}).select(1, g->rank());
+  for (const fsdp::CpuCollectives& s :
+       {fsdp::CpuCollectives{CpuAlgorithm::Mpi, 0}, fsdp::CpuCollectives{CpuAlgorithm::Auto, 0},
+        fsdp::CpuCollectives{CpuAlgorithm::Auto, int64_t{1} << 40}}) {
+    fsdp::set_cpu_collectives(s);
+    at::Tensor out = at::empty({5000}, at::kFloat);
+    g->reduce_scatter_tensor(out, in, ReduceOp::SUM);
+    BOOST_TEST(error_ratio(out, rows, ReduceOp::SUM) <= 1.0, fsdp::to_string(s.algorithm)
+                                                                 << " min " << s.min_bytes);
+    if (s.algorithm == CpuAlgorithm::Auto && s.min_bytes == 0) {
+      BOOST_TEST(at::equal(out, fold(rows, order_of(CpuAlgorithm::Pairwise, 0, n), ReduceOp::SUM)),
+                 "auto above its threshold runs pairwise");
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {
+  KeepSettings keep;
+  try {
+    fsdp::parse_cpu_algorithm("fastest", "FSDP_MPI_ALGO");
+    BOOST_FAIL("an unknown algorithm name was accepted");
+  } catch (const fsdp::ArgumentError& e) {
+    BOOST_TEST(e.argument() == "FSDP_MPI_ALGO");
+    BOOST_TEST(std::string(e.what()).find("auto, mpi, ring, pairwise") != std::string::npos,
+               e.what());
+  }
+  for (const char* name : {"auto", "mpi", "ring", "pairwise"}) {
+    BOOST_TEST(fsdp::to_string(fsdp::parse_cpu_algorithm(name, "x")) == name);
+  }
+  try {
+    fsdp::set_cpu_collectives({CpuAlgorithm::Auto, -1});
+    BOOST_FAIL("a negative min_bytes was accepted");
+  } catch (const fsdp::ArgumentError& e) {
+    BOOST_TEST(e.argument() == "min_bytes");
+  }
+  BOOST_TEST(fsdp::cpu_collectives().min_bytes == keep.saved.min_bytes);
+}
