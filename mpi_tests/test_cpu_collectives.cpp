@@ -49,7 +49,7 @@ struct KeepSettings {
   ~KeepSettings() { fsdp::set_cpu_collectives(saved); }
 };
 
-void use(CpuAlgorithm a) { fsdp::set_cpu_collectives({a, 0}); }
+void use(CpuAlgorithm a) { fsdp::set_cpu_collectives({a, 0, 0, 0, 0}); }
 
 // Every world rank's `mine` (same numel everywhere), [world, numel], raw bytes.
 at::Tensor gather_world(const at::Tensor& mine) {
@@ -285,28 +285,43 @@ BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(auto_switches_at_min_bytes_and_mpi_stays_available) {
-  // Every algorithm, auto on both sides of its threshold and Open MPI's
-  // collectives give results within the bound; pairwise's order is checked
-  // above, so here the check is that each choice runs and agrees.
+BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {
+  // Auto runs pairwise from a collective's own threshold up and Open MPI's
+  // below it. At 3+ ranks the two round 16-bit sums differently: pairwise
+  // sums in float32 and rounds once, Open MPI's op rounds every partial sum,
+  // so the bits tell which ran. (At 2 ranks both round once.)
   KeepSettings keep;
   const auto g = fsdp::world_group();
   const int n = g->size();
-  const at::Tensor in = input(at::kFloat, 5000 * n, 1);
-  const at::Tensor rows = gather_world(in).view({n, n, 5000}).select(1, g->rank());
-  for (const fsdp::CpuCollectives& s :
-       {fsdp::CpuCollectives{CpuAlgorithm::Mpi, 0}, fsdp::CpuCollectives{CpuAlgorithm::Auto, 0},
-        fsdp::CpuCollectives{CpuAlgorithm::Auto, int64_t{1} << 40}}) {
+  const int64_t block = 5000;
+  const int64_t bytes = block * 2;
+  const at::Tensor in = input(at::kBFloat16, block * n, 1);
+  const at::Tensor rows = gather_world(in).view({n, n, block}).select(1, g->rank());
+  const at::Tensor pairwise = fold(rows, order_of(CpuAlgorithm::Pairwise, 0, n), ReduceOp::SUM);
+  auto reduce_scatter_with = [&](const fsdp::CpuCollectives& s) {
     fsdp::set_cpu_collectives(s);
-    at::Tensor out = at::empty({5000}, at::kFloat);
+    at::Tensor out = at::empty({block}, in.options());
     g->reduce_scatter_tensor(out, in, ReduceOp::SUM);
-    BOOST_TEST(error_ratio(out, rows, ReduceOp::SUM) <= 1.0, fsdp::to_string(s.algorithm)
-                                                                 << " min " << s.min_bytes);
-    if (s.algorithm == CpuAlgorithm::Auto && s.min_bytes == 0) {
-      BOOST_TEST(at::equal(out, fold(rows, order_of(CpuAlgorithm::Pairwise, 0, n), ReduceOp::SUM)),
-                 "auto above its threshold runs pairwise");
-    }
+    return out;
+  };
+  // bfloat16 reduce-scatter: its threshold is half_reduce_min_bytes.
+  fsdp::CpuCollectives above{CpuAlgorithm::Auto, bytes + 1, bytes + 1, bytes + 1, bytes};
+  fsdp::CpuCollectives below{CpuAlgorithm::Auto, 0, 0, 0, bytes + 1};
+  BOOST_TEST(error_ratio(pairwise, rows, ReduceOp::SUM) <= 1.0);
+  BOOST_TEST(at::equal(reduce_scatter_with(above), pairwise), "auto at its threshold: pairwise");
+  const at::Tensor mpi = reduce_scatter_with({CpuAlgorithm::Mpi, 0, 0, 0, 0});
+  const at::Tensor auto_below = reduce_scatter_with(below);
+  BOOST_TEST(at::equal(auto_below, mpi), "auto below its threshold: Open MPI's");
+  if (n >= 3) {
+    BOOST_TEST(!at::equal(mpi, pairwise), "the inputs must tell the two apart at 3+ ranks");
   }
+  // All-gathers move bits: auto on either side agrees with Open MPI's.
+  at::Tensor a = at::empty({block * n}, in.options()), b = at::empty_like(a);
+  fsdp::set_cpu_collectives(below);
+  g->all_gather_into_tensor(a, in.narrow(0, 0, block));
+  fsdp::set_cpu_collectives({CpuAlgorithm::Mpi, 0, 0, 0, 0});
+  g->all_gather_into_tensor(b, in.narrow(0, 0, block));
+  BOOST_TEST(at::equal(a, b));
 }
 
 BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {
@@ -322,11 +337,20 @@ BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {
   for (const char* name : {"auto", "mpi", "ring", "pairwise"}) {
     BOOST_TEST(fsdp::to_string(fsdp::parse_cpu_algorithm(name, "x")) == name);
   }
-  try {
-    fsdp::set_cpu_collectives({CpuAlgorithm::Auto, -1});
-    BOOST_FAIL("a negative min_bytes was accepted");
-  } catch (const fsdp::ArgumentError& e) {
-    BOOST_TEST(e.argument() == "min_bytes");
+  for (int field = 0; field < 4; ++field) {
+    fsdp::CpuCollectives bad;
+    const char* name = "all_gather_min_bytes";
+    if (field == 0) bad.all_gather_min_bytes = -1;
+    if (field == 1) bad.reduce_scatter_min_bytes = -1, name = "reduce_scatter_min_bytes";
+    if (field == 2) bad.all_reduce_min_bytes = -1, name = "all_reduce_min_bytes";
+    if (field == 3) bad.half_reduce_min_bytes = -1, name = "half_reduce_min_bytes";
+    try {
+      fsdp::set_cpu_collectives(bad);
+      BOOST_FAIL("a negative " << name << " was accepted");
+    } catch (const fsdp::ArgumentError& e) {
+      BOOST_TEST(e.argument() == name);
+    }
   }
-  BOOST_TEST(fsdp::cpu_collectives().min_bytes == keep.saved.min_bytes);
+  // A refused setting leaves the current one in place.
+  BOOST_TEST(fsdp::cpu_collectives().reduce_scatter_min_bytes == keep.saved.reduce_scatter_min_bytes);
 }

@@ -43,7 +43,7 @@ std::string to_string(ReduceOp op);
 // How the MPI backend runs all_gather_into_tensor, reduce_scatter_tensor and
 // all_reduce of CPU tensors (README, "CPU collectives").
 enum class CpuAlgorithm {
-  Auto,      // Pairwise from min_bytes per rank up, Open MPI's below
+  Auto,      // Pairwise from a collective's threshold up (CpuCollectives), Open MPI's below
   Mpi,       // Open MPI's collectives
   Ring,      // a ring over point-to-point: N-1 steps with the two neighbours
   Pairwise,  // a direct exchange with every peer; reductions in rank order
@@ -55,17 +55,24 @@ CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& arg
 
 struct CpuCollectives {
   CpuAlgorithm algorithm = CpuAlgorithm::Auto;
-  // Auto only: the block size (bytes one rank sends or receives per peer:
-  // all-gather input, reduce-scatter output, all-reduce tensor / size) from
-  // which libfsdp's algorithm is used. Measured on 2 cores (README).
-  int64_t min_bytes = 64 * 1024;
+  // Auto only: per collective, the block size in bytes (what one rank
+  // exchanges with each peer: all-gather input, reduce-scatter output,
+  // all-reduce tensor / ranks) from which pairwise runs. The defaults are
+  // the crossovers measured with fsdp-bench collectives on 2 cores at np 2
+  // and 4 (README, "CPU collectives").
+  int64_t all_gather_min_bytes = 1 << 20;
+  int64_t reduce_scatter_min_bytes = 512 << 10;
+  int64_t all_reduce_min_bytes = 8 << 20;
+  // bfloat16/float16 reduce-scatter and all-reduce: Open MPI reduces them
+  // with libfsdp's scalar user op, so pairwise wins from small blocks on.
+  int64_t half_reduce_min_bytes = 32 << 10;
 };
 // Process-wide; read when a collective is issued (queued ones keep their
 // choice). Every rank must set the same value at the same point between
 // collectives: the ranks of a group must run the same algorithm. The Runtime
 // sets it at start-up from RuntimeOptions::cpu_collectives, else
-// $FSDP_MPI_ALGO and $FSDP_MPI_ALGO_MIN_BYTES. ArgumentError("min_bytes")
-// for a negative min_bytes.
+// $FSDP_MPI_ALGO and $FSDP_MPI_ALGO_MIN_BYTES (one threshold for all).
+// ArgumentError naming the field for a negative threshold.
 void set_cpu_collectives(const CpuCollectives& settings);
 CpuCollectives cpu_collectives();
 

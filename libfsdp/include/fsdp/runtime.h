@@ -44,7 +44,8 @@ struct RuntimeOptions {
   std::optional<bool> check_collectives;
   // CPU collective algorithms (fsdp/comm.h, CpuCollectives). Unset:
   // $FSDP_MPI_ALGO (auto, mpi, ring, pairwise; default auto) and
-  // $FSDP_MPI_ALGO_MIN_BYTES (auto's threshold in bytes; default 64 KiB).
+  // $FSDP_MPI_ALGO_MIN_BYTES (auto's threshold in bytes for every collective;
+  // default: CpuCollectives' measured per-collective values).
   // Must be the same on every rank (refused with ArgumentError otherwise).
   std::optional<CpuCollectives> cpu_collectives;
 };

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
@@ -41,10 +42,16 @@ CpuCollectives g_settings;
 }  // namespace
 
 void set_cpu_collectives(const CpuCollectives& settings) {
-  if (settings.min_bytes < 0) {
-    throw ArgumentError("min_bytes", "set_cpu_collectives: 'min_bytes' = " +
-                                         std::to_string(settings.min_bytes) +
-                                         "; accepted: 0 or more bytes");
+  const std::pair<const char*, int64_t> thresholds[] = {
+      {"all_gather_min_bytes", settings.all_gather_min_bytes},
+      {"reduce_scatter_min_bytes", settings.reduce_scatter_min_bytes},
+      {"all_reduce_min_bytes", settings.all_reduce_min_bytes},
+      {"half_reduce_min_bytes", settings.half_reduce_min_bytes}};
+  for (const auto& [name, value] : thresholds) {
+    if (value < 0) {
+      throw ArgumentError(name, std::string("set_cpu_collectives: '") + name + "' = " +
+                                    std::to_string(value) + "; accepted: 0 or more bytes");
+    }
   }
   std::lock_guard<std::mutex> lock(g_settings_mu);
   g_settings = settings;
@@ -263,11 +270,15 @@ void gather(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, char* out
 
 }  // namespace
 
-CpuAlgorithm choose(int64_t block_bytes, int size) {
+CpuAlgorithm choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int size) {
   if (size == 1) return CpuAlgorithm::Mpi;
   const CpuCollectives s = cpu_collectives();
   if (s.algorithm != CpuAlgorithm::Auto) return s.algorithm;
-  return block_bytes >= s.min_bytes ? CpuAlgorithm::Pairwise : CpuAlgorithm::Mpi;
+  int64_t from = op == Collective::AllGather       ? s.all_gather_min_bytes
+                 : op == Collective::ReduceScatter ? s.reduce_scatter_min_bytes
+                                                   : s.all_reduce_min_bytes;
+  if (op != Collective::AllGather && acc_type(dtype) != dtype) from = s.half_reduce_min_bytes;
+  return block_bytes >= from ? CpuAlgorithm::Pairwise : CpuAlgorithm::Mpi;
 }
 
 void wait_requests(MPI_Request* requests, int n, bool poll, const char* what) {

@@ -39,10 +39,12 @@ struct Peers {
   bool poll = false;
 };
 
-// The algorithm a collective of `block_bytes` per peer runs under the
+enum class Collective { AllGather, ReduceScatter, AllReduce };
+
+// The algorithm `op` on `dtype` with `block_bytes` per peer runs under the
 // current settings (set_cpu_collectives): Mpi, Ring or Pairwise, never Auto;
 // Mpi on one rank.
-CpuAlgorithm choose(int64_t block_bytes, int size);
+CpuAlgorithm choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int size);
 
 // Waits for n requests: inside MPI_Waitall, or with poll by MPI_Testall with
 // a short spin and then sleeps doubling from 8 us to 128 us (each test also

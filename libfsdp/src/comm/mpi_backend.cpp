@@ -113,7 +113,9 @@ class MpiBackend final : public Backend {
   WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const int count = to_int(in.numel(), "input");
-    const CpuAlgorithm algorithm = cpu::choose(static_cast<int64_t>(in.nbytes()), size_);
+    const CpuAlgorithm algorithm =
+        cpu::choose(cpu::Collective::AllGather, in.scalar_type(),
+                    static_cast<int64_t>(in.nbytes()), size_);
     if (algorithm != CpuAlgorithm::Mpi) {
       return submit("all_gather", in, count, -1, async_op, [this, out, in, algorithm] {
         cpu::all_gather(peers_, algorithm, out, in);
@@ -136,7 +138,9 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const MPI_Op mop = mpi_op(op, in.scalar_type());
     const int count = to_int(out.numel(), "output");
-    const CpuAlgorithm algorithm = cpu::choose(static_cast<int64_t>(out.nbytes()), size_);
+    const CpuAlgorithm algorithm =
+        cpu::choose(cpu::Collective::ReduceScatter, in.scalar_type(),
+                    static_cast<int64_t>(out.nbytes()), size_);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
                   [this, out, in, dt, mop, count, op, algorithm] {
       if (algorithm != CpuAlgorithm::Mpi) {
@@ -162,7 +166,8 @@ class MpiBackend final : public Backend {
     const MPI_Op mop = mpi_op(op, t.scalar_type());
     const int count = to_int(t.numel(), "tensor");
     const CpuAlgorithm algorithm =
-        cpu::choose(static_cast<int64_t>(t.nbytes()) / size_, size_);
+        cpu::choose(cpu::Collective::AllReduce, t.scalar_type(),
+                    static_cast<int64_t>(t.nbytes()) / size_, size_);
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
                   [this, t, dt, mop, count, op, algorithm] {
       if (algorithm != CpuAlgorithm::Mpi) {

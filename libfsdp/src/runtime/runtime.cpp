@@ -84,10 +84,13 @@ bool check_collectives_from(const std::optional<bool>& option) {
 
 CpuCollectives cpu_collectives_from(const std::optional<CpuCollectives>& option) {
   if (option) {
-    if (option->min_bytes < 0) {
-      throw ArgumentError("cpu_collectives", "RuntimeOptions::cpu_collectives.min_bytes = " +
-                                                 std::to_string(option->min_bytes) +
-                                                 "; accepted: 0 or more bytes");
+    for (int64_t v : {option->all_gather_min_bytes, option->reduce_scatter_min_bytes,
+                      option->all_reduce_min_bytes, option->half_reduce_min_bytes}) {
+      if (v < 0) {
+        throw ArgumentError("cpu_collectives", "RuntimeOptions::cpu_collectives: a threshold is " +
+                                                   std::to_string(v) +
+                                                   " bytes; accepted: 0 or more bytes");
+      }
     }
     return *option;
   }
@@ -104,7 +107,8 @@ CpuCollectives cpu_collectives_from(const std::optional<CpuCollectives>& option)
                           std::string("FSDP_MPI_ALGO_MIN_BYTES='") + min +
                               "'; accepted: a whole number of bytes, 0 or more");
     }
-    c.min_bytes = v;
+    c.all_gather_min_bytes = c.reduce_scatter_min_bytes = c.all_reduce_min_bytes =
+        c.half_reduce_min_bytes = v;
   }
   return c;
 }
@@ -163,18 +167,24 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   // rank with the desync check (communicators and an exchange per
   // collective) or another CPU algorithm would leave the others waiting.
   // One MPI_Allreduce(MIN) of each value and its negation finds any mismatch.
-  const int64_t mine[3] = {check_collectives_ ? 1 : 0,
-                           static_cast<int64_t>(cpu_collectives_.algorithm),
-                           cpu_collectives_.min_bytes};
-  int64_t both[6], agreed[6];
-  for (int i = 0; i < 3; ++i) {
+  constexpr int kAgreed = 6;
+  const int64_t mine[kAgreed] = {check_collectives_ ? 1 : 0,
+                                 static_cast<int64_t>(cpu_collectives_.algorithm),
+                                 cpu_collectives_.all_gather_min_bytes,
+                                 cpu_collectives_.reduce_scatter_min_bytes,
+                                 cpu_collectives_.all_reduce_min_bytes,
+                                 cpu_collectives_.half_reduce_min_bytes};
+  int64_t both[2 * kAgreed], agreed[2 * kAgreed];
+  for (int i = 0; i < kAgreed; ++i) {
     both[i] = mine[i];
-    both[3 + i] = -mine[i];
+    both[kAgreed + i] = -mine[i];
   }
-  detail::check_mpi(MPI_Allreduce(both, agreed, 6, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD),
+  detail::check_mpi(MPI_Allreduce(both, agreed, 2 * kAgreed, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD),
                     "MPI_Allreduce");
-  auto differs = [&](int i) { return agreed[i] != -agreed[3 + i]; };
-  if (differs(0) || differs(1) || differs(2)) {
+  auto differs = [&](int i) { return agreed[i] != -agreed[kAgreed + i]; };
+  bool any = false;
+  for (int i = 0; i < kAgreed; ++i) any = any || differs(i);
+  if (any) {
     if (owns_mpi_) MPI_Finalize();
     if (differs(0)) {
       throw ArgumentError("FSDP_DEBUG",
@@ -186,9 +196,12 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
     throw ArgumentError("FSDP_MPI_ALGO",
                         "FSDP_MPI_ALGO / FSDP_MPI_ALGO_MIN_BYTES / "
                         "RuntimeOptions::cpu_collectives differ across ranks (this rank: " +
-                            to_string(cpu_collectives_.algorithm) + ", min " +
-                            std::to_string(cpu_collectives_.min_bytes) +
-                            " bytes); set them the same on every rank");
+                            to_string(cpu_collectives_.algorithm) + ", pairwise from " +
+                            std::to_string(cpu_collectives_.all_gather_min_bytes) + " / " +
+                            std::to_string(cpu_collectives_.reduce_scatter_min_bytes) + " / " +
+                            std::to_string(cpu_collectives_.all_reduce_min_bytes) + " / " +
+                            std::to_string(cpu_collectives_.half_reduce_min_bytes) +
+                            " B); set them the same on every rank");
   }
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
@@ -229,7 +242,15 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
               << (check_collectives_ ? ", collective checks on (FSDP_DEBUG=detail)" : "")
               << ", CPU collectives " << to_string(cpu_collectives_.algorithm)
               << (cpu_collectives_.algorithm == CpuAlgorithm::Auto
-                      ? " (pairwise from " + std::to_string(cpu_collectives_.min_bytes) + " B)"
+                      ? " (pairwise from all-gather " +
+                            std::to_string(cpu_collectives_.all_gather_min_bytes >> 10) +
+                            " KiB, reduce-scatter " +
+                            std::to_string(cpu_collectives_.reduce_scatter_min_bytes >> 10) +
+                            " KiB, all-reduce " +
+                            std::to_string(cpu_collectives_.all_reduce_min_bytes >> 10) +
+                            " KiB, 16-bit reductions " +
+                            std::to_string(cpu_collectives_.half_reduce_min_bytes >> 10) +
+                            " KiB per peer)"
                       : "")
               << ", BLAS " << blas_library_
               << (blas_library_.find("openblas") == std::string::npos && !at::hasMKL()

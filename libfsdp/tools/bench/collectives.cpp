@@ -268,10 +268,13 @@ std::function<void()> make_limit(const Collective& c, int64_t count, c10::Scalar
 
 // Sets `algorithm` right before each call, so every closure of a round runs
 // its own algorithm whatever ran before it.
-std::function<void()> with_algorithm(fsdp::CpuAlgorithm algorithm, int64_t min_bytes,
+std::function<void()> with_algorithm(fsdp::CpuAlgorithm algorithm,
+                                     const fsdp::CpuCollectives& startup,
                                      std::function<void()> call) {
-  return [algorithm, min_bytes, call = std::move(call)] {
-    fsdp::set_cpu_collectives({algorithm, min_bytes});
+  fsdp::CpuCollectives settings = startup;
+  settings.algorithm = algorithm;
+  return [settings, call = std::move(call)] {
+    fsdp::set_cpu_collectives(settings);
     call();
   };
 }
@@ -369,7 +372,7 @@ struct Large {
 };
 
 void notes(Report& report, const Options& o, const std::vector<fsdp::CpuAlgorithm>& algorithms,
-           int64_t cpu_min_bytes) {
+           const fsdp::CpuCollectives& startup) {
   report.note("time: median over iterations of the slowest rank's time, each call after a "
               "barrier; the libfsdp and raw MPI columns alternate on the same buffers");
   report.note(fmt::format(
@@ -389,10 +392,14 @@ void notes(Report& report, const Options& o, const std::vector<fsdp::CpuAlgorith
   for (const fsdp::CpuAlgorithm a : algorithms) {
     names += (names.empty() ? "" : ", ") + fsdp::to_string(a);
   }
-  report.note(fmt::format("libfsdp ({}): fsdp::set_cpu_collectives({{algorithm, min_bytes {}}}) "
-                          "before each call; auto = pairwise from min_bytes per rank's block, Open "
-                          "MPI's below; x_limit = time / limit",
-                          names, format_size(cpu_min_bytes)));
+  report.note(fmt::format("libfsdp ({}): fsdp::set_cpu_collectives with that algorithm before "
+                          "each call; auto = pairwise from a per-peer block of all_gather {}, "
+                          "reduce_scatter {}, all_reduce {}, 16-bit reductions {} (the start-up "
+                          "thresholds), Open MPI's below; x_limit = time / limit",
+                          names, format_size(startup.all_gather_min_bytes),
+                          format_size(startup.reduce_scatter_min_bytes),
+                          format_size(startup.all_reduce_min_bytes),
+                          format_size(startup.half_reduce_min_bytes)));
   report.note(std::string("algbw = size / time; busbw = algbw * (n-1)/n (all_gather, "
                           "reduce_scatter) or 2(n-1)/n (all_reduce)") +
               (has_auto(algorithms) ? "; ratio = raw MPI time / libfsdp auto time (> 1: auto "
@@ -402,13 +409,14 @@ void notes(Report& report, const Options& o, const std::vector<fsdp::CpuAlgorith
 
 // Times one case, prints its row, and adds it to `large` from 1 MiB up.
 void measure(Report& report, const Options& o, const std::string& op, const Case& k,
-             const std::vector<fsdp::CpuAlgorithm>& algorithms, int64_t cpu_min_bytes,
-             c10::ScalarType dtype, MPI_Comm comm, Large& large) {
+             const std::vector<fsdp::CpuAlgorithm>& algorithms,
+             const fsdp::CpuCollectives& startup, c10::ScalarType dtype, MPI_Comm comm,
+             Large& large) {
   const Collective& c = collectives().at(op);
   const int n = fsdp::world_group()->size();
   std::vector<std::function<void()>> variants;
   for (const fsdp::CpuAlgorithm a : algorithms) {
-    variants.push_back(with_algorithm(a, cpu_min_bytes, k.ours));
+    variants.push_back(with_algorithm(a, startup, k.ours));
   }
   variants.push_back(k.raw);
   const std::vector<Stats> s = time_interleaved(comm, variants, o.timing);
@@ -559,16 +567,19 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   report.meta("algorithms", names);
   report.meta("cpu_collectives_at_start",
               {{"algorithm", fsdp::to_string(startup.algorithm)},
-               {"min_bytes", startup.min_bytes}});
+               {"all_gather_min_bytes", startup.all_gather_min_bytes},
+               {"reduce_scatter_min_bytes", startup.reduce_scatter_min_bytes},
+               {"all_reduce_min_bytes", startup.all_reduce_min_bytes},
+               {"half_reduce_min_bytes", startup.half_reduce_min_bytes}});
   add_runtime_meta(report, rt);
-  notes(report, o, algorithms, startup.min_bytes);
+  notes(report, o, algorithms, startup);
 
   Large large;
   for (const std::string& op : o.ops) {
     for (const int64_t requested : sizes(o)) {
       const Case k = make_case(op, requested, dtype, raw, comm);
       if (k.count == 0) continue;
-      measure(report, o, op, k, algorithms, startup.min_bytes, dtype, comm, large);
+      measure(report, o, op, k, algorithms, startup, dtype, comm, large);
     }
   }
   fsdp::set_cpu_collectives(startup);
