@@ -178,6 +178,9 @@ struct Options {
   std::string json_path;
   std::string device = "cpu";  // cpu | cuda (single and fsdp* configs only)
   c10::Device resolved_device{c10::kCPU};
+  // fsdp, fsdp-no-reshard, fsdp-fused: MixedPrecisionPolicy param_dtype
+  // (reduce_dtype float32); the other configs stay float32.
+  std::string param_dtype = "float32";
 };
 
 enum class Kind { Single, Ddp, Fsdp, FsdpTp, FsdpPp, FsdpEp };
@@ -296,6 +299,12 @@ class Trainer {
     fo.shard_dim = "shard";
     fo.reshard_after_forward = spec.reshard_after_forward;
     fo.comm_fusion = spec.comm_fusion;
+    if (spec.kind == Kind::Fsdp && o.param_dtype == "bfloat16") {
+      // FSDP2's usual CPU/GPU mixed precision: bf16 all-gathers and compute,
+      // fp32 gradient reduction and optimizer state.
+      fo.mp_policy.param_dtype = at::kBFloat16;
+      fo.mp_policy.reduce_dtype = at::kFloat;
+    }
     if (spec.kind == Kind::FsdpPp) {
       build_pipeline(decoder, fo, o, *mesh);
     } else if (spec.kind == Kind::FsdpEp) {
@@ -731,9 +740,13 @@ int run(Options o, const fsdp::Runtime& rt) {
   Report report("train", columns(), o.json_path, rank == 0);
   report.note(fmt::format(
       "fsdp-bench train: models::Decoder vocab {} hidden {} heads {} layers {} ffn {} seq {} "
-      "(tied output), float32; global batch {} x {} tokens; AdamW lr {}; {} timed steps after "
+      "(tied output), {}; global batch {} x {} tokens; AdamW lr {}; {} timed steps after "
       "{} warm-up; seed {}",
-      cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.ffn_dim(), cfg.seq, o.batch, cfg.seq,
+      cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.ffn_dim(), cfg.seq,
+      o.param_dtype == "float32" ? std::string("float32")
+                                 : "fsdp/fsdp-no-reshard/fsdp-fused " + o.param_dtype +
+                                       " parameters with float32 reduction, the rest float32",
+      o.batch, cfg.seq,
       o.lr, o.timing.iters, o.timing.warmup, o.seed));
   report.meta("model", {{"vocab", cfg.vocab}, {"hidden", cfg.hidden}, {"heads", cfg.heads},
                         {"layers", cfg.layers}, {"ffn", cfg.ffn_dim()}, {"seq", cfg.seq},
@@ -743,6 +756,11 @@ int run(Options o, const fsdp::Runtime& rt) {
   report.meta("warmup", o.timing.warmup);
   report.meta("seed", o.seed);
   report.meta("lr", o.lr);
+  report.meta("param_dtype", o.param_dtype,
+              o.param_dtype == "float32"
+                  ? ""
+                  : "fsdp, fsdp-no-reshard, fsdp-fused: MixedPrecisionPolicy param_dtype " +
+                        o.param_dtype + ", reduce_dtype float32; every other config float32");
   report.meta("forward_prefetch", o.forward_prefetch,
               o.forward_prefetch ? "FSDP configs: explicit forward prefetch of the next unit"
                                  : "");
@@ -1130,6 +1148,12 @@ void add_train_command(CLI::App& app, Command& chosen) {
                   "Where the models and batches live: cpu, or cuda (cuda:<local rank>; the "
                   "single and fsdp* configs only)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  sub->add_option("--param-dtype", o->param_dtype,
+                  "fsdp, fsdp-no-reshard, fsdp-fused: all-gather and compute dtype "
+                  "(MixedPrecisionPolicy param_dtype; gradients reduced in float32); the other "
+                  "configs stay float32")
+      ->check(CLI::IsMember({"float32", "bfloat16"}))
       ->capture_default_str();
   sub->add_option("--json", o->json_path,
                   "Write JSON: '--json' alone prints it to stdout instead of the table; "
