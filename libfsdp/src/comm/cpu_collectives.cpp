@@ -137,12 +137,19 @@ class Round {
 
 char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
+// This rank's block of an all-gather's output, holding `mine` (copied
+// unless it is already there, as in all-reduce).
+char* place_own_block(const Peers& p, int64_t es, char* out, const char* mine, const Blocks& b) {
+  char* own = out + b.displ[p.rank] * es;
+  if (own != mine) std::memcpy(own, mine, static_cast<size_t>(b.count[p.rank] * es));
+  return own;
+}
+
 void pairwise_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
                      const Blocks& b) {
   const MPI_Datatype dt = mpi_datatype(t, "input");
   const auto es = static_cast<int64_t>(c10::elementSize(t));
-  char* own = out + b.displ[p.rank] * es;
-  if (own != mine) std::memcpy(own, mine, static_cast<size_t>(b.count[p.rank] * es));
+  char* own = place_own_block(p, es, out, mine, b);
   Round round(p);
   for (int s = 1; s < p.size; ++s) {
     const int from = mod(p.rank - s, p.size);
@@ -158,8 +165,7 @@ void ring_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
                  const Blocks& b) {
   const MPI_Datatype dt = mpi_datatype(t, "input");
   const auto es = static_cast<int64_t>(c10::elementSize(t));
-  char* own = out + b.displ[p.rank] * es;
-  if (own != mine) std::memcpy(own, mine, static_cast<size_t>(b.count[p.rank] * es));
+  place_own_block(p, es, out, mine, b);
   const int right = mod(p.rank + 1, p.size), left = mod(p.rank - 1, p.size);
   Round round(p);
   for (int s = 0; s + 1 < p.size; ++s) {
