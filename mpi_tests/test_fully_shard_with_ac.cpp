@@ -40,6 +40,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -646,13 +647,18 @@ bool mentions(const std::exception& e, const std::string& text) {
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
+  // On a gpu entry everything below runs on CUDA: the replay restores the
+  // CUDA generator, and backward runs on autograd's device thread.
+  const c10::Device dev = spmd::device();
+  const auto on_dev = at::TensorOptions().device(dev);
   // Gradients through a dropout model: plain vs checkpointed, same seed.
-  auto grads_of = [](std::optional<fsdp::CheckpointOptions> options) {
+  auto grads_of = [&](std::optional<fsdp::CheckpointOptions> options) {
     Holder h;
+    h->to(dev);
     if (options) fsdp::checkpoint_module(h->inner, *options);
     at::manual_seed(3);
-    const at::Tensor x = at::randn({5, 6}).requires_grad_(true);
-    const at::Tensor y = at::randn({5, 6});
+    const at::Tensor x = at::randn({5, 6}, on_dev).requires_grad_(true);
+    const at::Tensor y = at::randn({5, 6}, on_dev);
     at::manual_seed(99);
     h(x, y).pow(2).sum().backward();
     return std::vector<at::Tensor>{h->inner->fc->weight.grad(), x.grad()};
@@ -671,7 +677,8 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
   }
 
   torch::nn::Linear lin(3, 3);
-  const at::Tensor x = at::randn({2, 3}).requires_grad_(true);
+  lin->to(dev);
+  const at::Tensor x = at::randn({2, 3}, on_dev).requires_grad_(true);
   auto lin_fn = [&](const std::vector<at::Tensor>& in) { return lin(in[0]); };
   // Grad mode off: a plain call, no graph.
   {
@@ -697,9 +704,46 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
           .sum()
           .backward(),
       fsdp::StateError, [](const fsdp::StateError& e) { return mentions(e, "'inputs'"); });
+  // The same misuse, and a correct use, with backward on a thread other than
+  // the forward's, as on CUDA where autograd's device thread runs the
+  // recompute: sequence numbers count per thread, and the check must tell
+  // the recompute's nodes from the forward's all the same.
+  {
+    auto backward_on_another_thread = [](const at::Tensor& loss) {
+      std::string error;
+      std::thread([&] {
+        try {
+          loss.backward();
+        } catch (const fsdp::StateError& e) {
+          error = e.what();
+        }
+      }).join();
+      return error;
+    };
+    // Reentrant: no leaf check that would catch it another way; the
+    // gradient would reach x twice.
+    fsdp::CheckpointOptions reentrant;
+    reentrant.mode = fsdp::CheckpointMode::Reentrant;
+    for (const auto& options : {fsdp::CheckpointOptions{}, reentrant}) {
+      const std::string captured = backward_on_another_thread(
+          fsdp::checkpoint([&](const std::vector<at::Tensor>& in) { return in[0] * outside; },
+                           {x}, {}, options)
+              .sum());
+      BOOST_TEST(captured.find("was computed outside it") != std::string::npos,
+                 "captured outside tensor, backward on another thread: '" << captured << "'");
+    }
+    lin->zero_grad();
+    lin(x.detach()).sum().backward();
+    const at::Tensor expected = lin->weight.grad().clone();
+    lin->zero_grad();
+    const std::string correct = backward_on_another_thread(
+        fsdp::checkpoint(lin_fn, {x.detach()}, lin->parameters()).sum());
+    BOOST_TEST(correct.empty(), "correct use, backward on another thread: '" << correct << "'");
+    BOOST_TEST(diff(lin->weight.grad(), expected) == 0.0);
+  }
   // An input modified in place between forward and backward.
   {
-    at::Tensor moving = at::randn({2, 3});
+    at::Tensor moving = at::randn({2, 3}, on_dev);
     const at::Tensor out = fsdp::checkpoint(lin_fn, {moving}, lin->parameters());
     BOOST_TEST(out.requires_grad());
     moving.add_(1);

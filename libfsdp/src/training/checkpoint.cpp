@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -102,12 +103,25 @@ std::vector<std::pair<c10::Device, at::Tensor>> capture_rng(const std::vector<at
 
 const c10::TensorImpl* impl_of(const at::Tensor& t) { return t.unsafeGetTensorImpl(); }
 
+// The nodes a recompute creates: those made on the recompute's thread from
+// its first sequence number on. Sequence numbers count per thread, and the
+// recompute runs wherever autograd runs the checkpoint's node (the caller's
+// thread on CPU, a device thread on CUDA), so a number alone would take a
+// forward node made on another thread for a new one.
+struct RecomputeMark {
+  uint64_t thread = at::RecordFunction::currentThreadId();
+  uint64_t first_sequence_nr = at::sequence_number::peek();
+  bool made(const torch::autograd::Node& node) const {
+    return node.thread_id() == thread && node.sequence_nr() >= first_sequence_nr;
+  }
+};
+
 // What a recompute must not reach, found by walking its graph from the output:
-// nodes that existed before the recompute started (fn read a non-leaf tensor
-// requiring grad that is not one of its inputs: its gradient would be lost, or
-// in reentrant mode flow twice), leaves outside inputs/params (non-reentrant
-// only: their gradient has no way out).
-void check_recomputed_graph(const at::Tensor& out, uint64_t first_new_sequence_nr,
+// nodes it did not create (fn read a non-leaf tensor requiring grad that is
+// not one of its inputs: its gradient would be lost, or in reentrant mode
+// flow twice), leaves outside inputs/params (non-reentrant only: their
+// gradient has no way out).
+void check_recomputed_graph(const at::Tensor& out, const RecomputeMark& mark,
                             const std::unordered_set<const c10::TensorImpl*>* declared) {
   std::vector<torch::autograd::Node*> stack;
   std::unordered_set<torch::autograd::Node*> seen;
@@ -128,7 +142,7 @@ void check_recomputed_graph(const at::Tensor& out, uint64_t first_new_sequence_n
       }
       continue;
     }
-    if (node->sequence_nr() < first_new_sequence_nr) {
+    if (!mark.made(*node)) {
       throw StateError("checkpoint: fn reads a tensor that requires grad and was computed outside "
                        "it (reached " + node->name() + "); pass such tensors in 'inputs'");
     }
@@ -175,7 +189,7 @@ class CheckpointNode final : public torch::autograd::Node {
     if (options_.observer) options_.observer({CheckpointEvent::Kind::Recompute, inputs});
 
     at::Tensor out;
-    const uint64_t first_new = at::sequence_number::peek();
+    const RecomputeMark mark;
     {
       std::optional<RngFork> fork;
       if (options_.preserve_rng_state) fork.emplace(rng_);
@@ -193,7 +207,7 @@ class CheckpointNode final : public torch::autograd::Node {
     if (!reentrant) targets.insert(targets.end(), grad_params_.begin(), grad_params_.end());
     std::unordered_set<const c10::TensorImpl*> declared;
     for (const auto& t : targets) declared.insert(impl_of(t));
-    check_recomputed_graph(out, first_new, reentrant ? nullptr : &declared);
+    check_recomputed_graph(out, mark, reentrant ? nullptr : &declared);
     if (!out.requires_grad()) return none;
 
     const at::Tensor& grad_out = grads[0];
