@@ -29,6 +29,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -862,6 +863,56 @@ std::vector<ReduceMesh> reduce_meshes() {
 // all-reduce per reduce-scatter over HSDP's replicate dim, no all-gather,
 // and the parameters resharded afterwards. A second round adds to the
 // gradients the first left (param.grad() accumulates).
+// float16 gradient means that fit while their sum over the ranks does not:
+// FSDP must divide before the reduction (by the smallest power of two >=
+// sqrt(world), and by the rest after), not sum and then divide. Rank r's
+// gradient is scale * c(r) in every element; the plain fp16 sum of them
+// overflows (checked first, so the case is known to be in that regime).
+BOOST_AUTO_TEST_CASE(test_fp16_gradient_mean_does_not_overflow) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  const auto dev = spmd::device();
+  constexpr double kHalfMax = 65504;
+  double pre = 1;
+  while (ws / pre > pre) pre *= 2;
+  const double scale = 0.8 * kHalfMax * pre / ws;
+  auto c = [ws](int r) { return 1.0 + 0.125 * r / ws; };
+  double want = 0;
+  for (int r = 0; r < ws; ++r) want += scale * c(r) / ws;
+  const auto half = at::TensorOptions().dtype(at::kHalf).device(dev);
+
+  at::Tensor plain_sum = at::full({4}, scale * c(rank), half);
+  fsdp::world_group()->all_reduce(plain_sum, fsdp::ReduceOp::SUM);
+  BOOST_TEST_REQUIRE(std::isinf(host(plain_sum).to(at::kFloat)[0].item<float>()),
+                     "the plain float16 sum should overflow at this scale");
+
+  std::vector<std::pair<std::string, fsdp::DeviceMesh>> meshes = {
+      {"FSDP 1-D", fsdp::init_device_mesh(dev.type(), {ws}, {"shard"})}};
+  if (ws == 4) {
+    meshes.emplace_back("HSDP 2x2",
+                        fsdp::init_device_mesh(dev.type(), {2, 2}, {"replicate", "shard"}));
+  }
+  l1::Report report("core fp16 reduction");
+  for (const auto& [label, mesh] : meshes) {
+    torch::nn::Linear lin(torch::nn::LinearOptions(4, 4).bias(false));
+    lin->to(dev);
+    fsdp::FullyShardOptions o;
+    o.mesh = mesh;
+    o.mp_policy.reduce_dtype = at::kHalf;
+    fsdp::Sharded<torch::nn::Linear> unit = fsdp::fully_shard(lin, o);
+    // d(sum(W x))/dW[i][j] = x[j].
+    unit(at::full({1, 4}, scale * c(rank), at::TensorOptions().device(dev))).sum().backward();
+    const at::Tensor g = host(lin->weight.grad()).to(at::kDouble);
+    BOOST_TEST_REQUIRE(g.numel() > 0);
+    BOOST_TEST(at::isfinite(g).all().item<bool>(), label << ": the fp16 mean overflowed");
+    // Roundings to float16, each at most 2^-11 relative: the cast of the
+    // local gradient, up to ws - 1 partial sums (Open MPI's order rounds
+    // each), the post-divide; the pre-divide is exact.
+    report.check(label + " fp16 mean grad, relative to the exact mean",
+                 (g - want).abs().max().item<double>() / want, (ws + 1) / 2048.0);
+  }
+  report.publish();
+}
+
 BOOST_AUTO_TEST_CASE(test_reduce_gradients_after_unsynced_microbatches) {
   const int ws = spmd::world_size();
   const int64_t k = 3, rows_per_mb = 2;

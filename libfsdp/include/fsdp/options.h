@@ -20,7 +20,10 @@ struct MixedPrecisionPolicy {
   // All-gather and compute dtype of the parameters (none = original dtype).
   std::optional<c10::ScalarType> param_dtype;
   // Gradient reduction dtype (none = param_dtype, else original dtype). The
-  // sharded gradient handed to the optimizer has this dtype.
+  // sharded gradient handed to the optimizer has this dtype. float16
+  // gradients are divided by the smallest power of two >= sqrt(ranks) before
+  // the reduction and by the rest after it, so a mean that fits in float16
+  // does not overflow as the sum of the ranks' gradients (FSDP2 does the same).
   std::optional<c10::ScalarType> reduce_dtype;
   // Floating tensor outputs of the unit's forward are cast to this dtype.
   std::optional<c10::ScalarType> output_dtype;

@@ -44,7 +44,25 @@ struct ParamGroup::Entry {
   size_t param;
   at::Tensor out;
   at::Tensor flag;
+  double pre_divided = 1;  // the gradient entered the reduction divided by this
 };
+
+namespace {
+
+// float16 tops out at 65504: a SUM over N ranks followed by a divide by N
+// overflows long before the mean does. Like FSDP2, float16 gradients are
+// divided before the reduction by the smallest power of two >= sqrt(N)
+// (exact: only the exponent changes) and by the rest after it, so the sum
+// stays within ~sqrt(N) of the mean's magnitude. Other dtypes have float32's
+// range and keep a single divide after the sum (one rounding).
+double pre_divide_factor(c10::ScalarType reduce_dtype, const ReduceSettings& s, double divide) {
+  if (reduce_dtype != at::kHalf || !s.average) return 1;
+  double pre = 1;
+  while (divide / pre > pre) pre *= 2;
+  return pre;
+}
+
+}  // namespace
 
 ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_group,
                        ProcessGroupPtr replicate_group, std::optional<double> divide_factor,
@@ -204,6 +222,9 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
   settings_ = settings;
   stage_ = Stage::Prepared;
   const int64_t ws = shard_group_->size();
+  auto pre_of = [&](const ShardedParam& p) {
+    return pre_divide_factor(p.reduce_dtype(), settings_, divide());
+  };
   auto options_of = [](const ShardedParam& p) {
     return at::TensorOptions().dtype(p.reduce_dtype()).device(p.compute_device());
   };
@@ -214,10 +235,12 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
     auto& p = params_[i];
     const int64_t n = p.padded_block_numel();
     at::Tensor buf = at::empty({n + 1}, options_of(p));
+    const double pre = pre_of(p);
     p.write_reduce_input(buf.narrow(0, 0, n));
+    if (pre != 1) buf.narrow(0, 0, n).div_(pre);
     buf.narrow(0, n, 1).fill_(presence(p));
     p.discard_pass();
-    entries_.push_back({i, buf.narrow(0, 0, n), buf.narrow(0, n, 1)});
+    entries_.push_back({i, buf.narrow(0, 0, n), buf.narrow(0, n, 1), pre});
     scatter_inputs_.push_back(buf);
     all_reduce_bufs_.push_back(buf);
   }
@@ -230,6 +253,7 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
     const int64_t flags = static_cast<int64_t>(sharded.size());
     at::Tensor input = at::empty({ws, total + flags}, options_of(params_[sharded[0]]));
     at::Tensor out = at::empty({total + flags}, input.options());
+    const double pre = pre_divide_factor(input.scalar_type(), settings_, divide());
     int64_t offset = 0;
     for (size_t k = 0; k < sharded.size(); ++k) {
       auto& p = params_[sharded[k]];
@@ -238,9 +262,10 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
       input.narrow(1, total + static_cast<int64_t>(k), 1).fill_(presence(p));
       p.discard_pass();
       entries_.push_back({sharded[k], out.narrow(0, offset, n),
-                          out.narrow(0, total + static_cast<int64_t>(k), 1)});
+                          out.narrow(0, total + static_cast<int64_t>(k), 1), pre});
       offset += n;
     }
+    if (pre != 1) input.narrow(1, 0, total).div_(pre);
     scatter_inputs_.push_back(input);
     scatter_inputs_.push_back(out);
     all_reduce_bufs_.push_back(out);
@@ -250,11 +275,13 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
     auto& p = params_[i];
     const int64_t n = p.padded_block_numel();
     at::Tensor input = at::empty({ws, n + 1}, options_of(p));
+    const double pre = pre_of(p);
     p.write_reduce_input(input.narrow(1, 0, n));
+    if (pre != 1) input.narrow(1, 0, n).div_(pre);
     input.narrow(1, n, 1).fill_(presence(p));
     p.discard_pass();
     at::Tensor out = at::empty({n + 1}, input.options());
-    entries_.push_back({i, out.narrow(0, 0, n), out.narrow(0, n, 1)});
+    entries_.push_back({i, out.narrow(0, 0, n), out.narrow(0, n, 1), pre});
     scatter_inputs_.push_back(input);
     scatter_inputs_.push_back(out);
     all_reduce_bufs_.push_back(out);
@@ -374,9 +401,8 @@ void ParamGroup::drop_reduce() {
 
 void ParamGroup::install() {
   const ReduceSettings& s = settings_;
-  const double shard_size = static_cast<double>(shard_group_->size());
   const double replicate_size = hsdp() ? static_cast<double>(replicate_group_->size()) : 1.0;
-  const double divide = divide_factor_.value_or(shard_size * replicate_size);
+  const double divide = this->divide();
   const double extra = s.scaling_factor.value_or(1.0);
   const double full_scale = (s.average ? 1.0 / divide : 1.0) * extra;
   // Replica-local mean while the replicate all-reduce is skipped.
@@ -398,7 +424,9 @@ void ParamGroup::install() {
         base_grads_[e.param] = params_[e.param].sharded_grad_copy(s.fp32_main_grad);
       partial = partial.defined() ? partial.add_(e.out) : e.out.clone();
       partial_presence_[e.param] += present[k];
-      if (present[k] > 0) params_[e.param].add_reduced_grad(e.out * shard_scale, s.fp32_main_grad);
+      if (present[k] > 0) {
+        params_[e.param].add_reduced_grad(e.out * (shard_scale * e.pre_divided), s.fp32_main_grad);
+      }
     }
     return;
   }
@@ -411,8 +439,16 @@ void ParamGroup::install() {
       partial_presence_[e.param] = 0;
     }
     // No rank had a gradient: the parameter keeps none, as in plain LibTorch.
-    if (present[k] > 0) params_[e.param].add_reduced_grad(e.out * full_scale, s.fp32_main_grad);
+    if (present[k] > 0) {
+      params_[e.param].add_reduced_grad(e.out * (full_scale * e.pre_divided), s.fp32_main_grad);
+    }
   }
+}
+
+double ParamGroup::divide() const {
+  const double shard_size = static_cast<double>(shard_group_->size());
+  const double replicate_size = hsdp() ? static_cast<double>(replicate_group_->size()) : 1.0;
+  return divide_factor_.value_or(shard_size * replicate_size);
 }
 
 void ParamGroup::clear_partial_sums() {

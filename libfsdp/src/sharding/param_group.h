@@ -79,6 +79,9 @@ class ParamGroup {
   enum class Stage { None, Prepared, Scattering, AllReducing };
   struct Entry;
   bool hsdp() const { return replicate_group_ && replicate_group_->size() > 1; }
+  // What "avg" divides the summed gradients by: the divide factor if set,
+  // else shard x replicate size.
+  double divide() const;
   void wait_all(std::vector<WorkPtr>& works, const char* what);
   // Issues the replicate all-reduce if the reduce-scatter finished (or
   // after waiting for it, `wait`); returns whether it is issued or needs none.
