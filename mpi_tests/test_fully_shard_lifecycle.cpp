@@ -18,7 +18,10 @@
 //         backward of loss_a + loss_b;
 //  LC-5   two roots on one rank as pipeline stages: one backward through
 //         both, and the PP pattern (stage 1's backward from a detached input,
-//         then stage 0's from that input's gradient).
+//         then stage 0's from that input's gradient);
+//  LC-6   a unit prefetched by another's forward that then does not run
+//         computes, when it next runs, with the shards as the optimizer
+//         left them (its unused all-gather is dropped, not reused).
 //
 // The single-card baselines use the same module classes instantiated without
 // any fsdp type (ChainImpl<false>), run on the CPU on the whole global batch,
@@ -976,3 +979,61 @@ BOOST_AUTO_TEST_CASE(rank_dependent_unused_params_same_collectives,
 }
 
 BOOST_AUTO_TEST_SUITE_END()
+
+// ------------------------------------------- LC-6: unused prefetched gathers
+
+namespace {
+
+struct BranchImpl : torch::nn::Module {
+  BranchImpl() {
+    at::manual_seed(11);
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = at::tanh(a(x));
+    return use_b ? b(h) : h;
+  }
+  fsdp::Sharded<torch::nn::Linear> a{nullptr}, b{nullptr};
+  bool use_b = true;
+};
+TORCH_MODULE(Branch);
+
+}  // namespace
+
+// LC-6: a's forward prefetches b, whose forward does not run (a branch not
+// taken). The optimizer then updates b's shards in place; the next forward
+// that runs b must compute with the updated values, not with the all-gather
+// issued before the update. With and without a backward in between (the
+// root's post-backward and its next pre-forward both drop such gathers).
+BOOST_AUTO_TEST_CASE(prefetched_unit_that_did_not_run_regathers_updated_shards) {
+  const auto dev = spmd::device();
+  for (const bool with_backward : {true, false}) {
+    BOOST_TEST_CONTEXT((with_backward ? "forward + backward" : "forward only")) {
+      Branch model;
+      model->to(dev);
+      const at::Tensor wa = model->a->weight.detach().clone(), ba = model->a->bias.detach().clone();
+      const at::Tensor wb = model->b->weight.detach().clone(), bb = model->b->bias.detach().clone();
+      fsdp::FSDPModule ua = fsdp::fully_shard(model->a);
+      fsdp::FSDPModule ub = fsdp::fully_shard(model->b);
+      fsdp::Sharded<Branch> root = fsdp::fully_shard(model);
+      ua.set_modules_to_forward_prefetch({ub});
+      at::manual_seed(5);
+      const at::Tensor x = at::randn({3, 6}, at::TensorOptions().device(dev));
+      model->use_b = false;
+      const at::Tensor h = root(x);
+      if (with_backward) h.sum().backward();
+      // An optimizer step on b's shards, in place (b took no part: a plain
+      // update stands for one).
+      {
+        at::NoGradGuard no_grad;
+        for (auto& p : model->b->parameters()) p.add_(1.0);
+      }
+      model->use_b = true;
+      const at::Tensor out = root(x);
+      const at::Tensor want = at::linear(at::tanh(at::linear(x, wa, ba)), wb + 1.0, bb + 1.0);
+      const double err = (out.detach() - want).abs().max().item<double>();
+      BOOST_TEST(err <= kTol, "b computed with stale shards: max error " << err);
+    }
+  }
+}

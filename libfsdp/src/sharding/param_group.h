@@ -45,6 +45,8 @@ class ParamGroup {
   // every parameter at its full tensor.
   void finish_unshard();
   bool unsharded() const { return unsharded_; }
+  // An all-gather issued (issue_unshard) and not yet waited (finish_unshard).
+  bool gather_in_flight() const { return gather_issued_; }
   // Points every parameter at its shard and frees the full buffers (waits
   // for an all-gather in flight first: its buffers must not be freed).
   void reshard();

@@ -176,6 +176,24 @@ void issue_ready_reductions(RootContext& c) {
   ParamGroup::poll_all_reduces();
 }
 
+// Issues `target`'s all-gather ahead of its use, on behalf of `c`'s pass.
+void prefetch(RootContext& c, UnitState& target) {
+  target.unshard(/*async_op=*/true);
+  c.prefetched.push_back(target.weak_from_this());
+}
+
+// Waits for and discards the all-gathers of prefetched units that did not
+// use them (their forward or backward never ran): the next use re-gathers
+// the shards as the optimizer left them.
+void drop_unused_prefetches(RootContext& c) {
+  for (auto& u : locked(c.prefetched)) {
+    const bool pending = std::any_of(u->groups.begin(), u->groups.end(),
+                                     [](const ParamGroup& g) { return g.gather_in_flight(); });
+    if (pending) u->reshard();
+  }
+  c.prefetched.clear();
+}
+
 void finish_in_flight(RootContext& c) {
   for (auto& u : locked(c.in_flight)) u->finish_reductions();
   c.in_flight.clear();
@@ -212,6 +230,7 @@ void finalize_backward(const std::weak_ptr<UnitState>& root_weak) {
     }
   }
   c.in_flight = std::move(kept);
+  drop_unused_prefetches(c);
   for (auto& u : units) {
     for (auto& g : u->groups) {
       for (auto& p : g.params()) p.commit_pass(/*reduced=*/u->requires_gradient_sync);
@@ -239,6 +258,7 @@ void abort_failed_pass(UnitState& root) {
   while (!open_forward.empty()) trace_close(open_forward, open_forward.back().first);
   c.order.clear();
   c.in_flight.clear();
+  c.prefetched.clear();  // resharded above with every unit
   c.reduce_cursor = 0;
   c.callback_queued = false;  // the engine dropped it with the failed graph
   c.phase = RootContext::Phase::Idle;
@@ -250,8 +270,10 @@ void begin_forward_pass(UnitState& root) {
     abort_failed_pass(root);
   }
   // A new step: reductions left in flight by set_is_last_backward(false)
-  // land before the optimizer's values are gathered again.
+  // land before the optimizer's values are gathered again, and gathers a
+  // forward-only pass prefetched for units it did not run are dropped.
   finish_in_flight(c);
+  drop_unused_prefetches(c);
   for (auto& u : locked(c.order)) u->in_order = false;
   c.order.clear();
   c.reduce_cursor = 0;
@@ -537,7 +559,7 @@ void UnitState::pre_forward() {
   wait_unshard();
   if (recompute) return;
   for (auto& weak : forward_prefetch) {
-    if (auto u = weak.lock()) u->unshard(/*async_op=*/true);
+    if (auto u = weak.lock()) detail::prefetch(c, *u);
   }
 }
 
@@ -581,7 +603,7 @@ void UnitState::pre_backward() {
   wait_unshard();
   if (explicit_backward_prefetch) {
     for (auto& weak : backward_prefetch) {
-      if (auto u = weak.lock()) u->unshard(/*async_op=*/true);
+      if (auto u = weak.lock()) detail::prefetch(context(), *u);
     }
     return;
   }
@@ -592,7 +614,9 @@ void UnitState::pre_backward() {
   for (size_t i = 1; i < order.size(); ++i) {
     if (order[i].lock().get() == this) {
       auto prev = order[i - 1].lock();
-      if (prev && prev->lifecycle.state() == detail::Lifecycle::Idle) prev->unshard(true);
+      if (prev && prev->lifecycle.state() == detail::Lifecycle::Idle) {
+        detail::prefetch(context(), *prev);
+      }
       break;
     }
   }

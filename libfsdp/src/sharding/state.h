@@ -34,6 +34,11 @@ struct RootContext {
   // Units whose reductions were issued and are not yet finished, in issue
   // order (reductions left in flight by set_is_last_backward(false)).
   std::vector<std::weak_ptr<UnitState>> in_flight;
+  // Units this root's hooks prefetched in the current pass. One that never
+  // ran (a branch not taken) still has its all-gather in flight, reading the
+  // shards the optimizer is about to update in place: dropped at the end of
+  // backward and at the next root forward.
+  std::vector<std::weak_ptr<UnitState>> prefetched;
   bool callback_queued = false;
 };
 
