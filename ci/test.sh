@@ -11,12 +11,16 @@ export BUILD_DIR="$build"
 "$root/ci/build.sh" -DFSDP_REGISTER_GPU_TESTS=ON
 
 cd "$build"
-gpu4=$(ctest -N -L gpu4 | sed -n 's/^Total Tests: //p')
-if [ "${gpu4:-0}" -eq 0 ]; then
-  echo "ci/test.sh: no gpu4 tests registered (ctest -N -L gpu4)" >&2
-  exit 1
-fi
-echo "ci/test.sh: ${gpu4} gpu4 test(s) registered (not run: no GPU here)"
+# Every gpu label a GPU node runs must list entries; gpu_registration_listing
+# (in `ctest -L cpu`) checks what they run.
+for label in gpu1 gpu2 gpu4; do
+  count=$(ctest -N -L "^${label}\$" | sed -n 's/^Total Tests: //p')
+  if [ "${count:-0}" -eq 0 ]; then
+    echo "ci/test.sh: no ${label} tests registered (ctest -N -L ${label})" >&2
+    exit 1
+  fi
+  echo "ci/test.sh: ${count} ${label} test(s) registered (not run: no GPU here)"
+done
 
 status=0
 ctest -L cpu --output-on-failure --no-tests=error "$@" || status=$?

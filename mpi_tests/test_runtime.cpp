@@ -4,8 +4,12 @@
 #include <fsdp/errors.h>
 #include <fsdp/runtime.h>
 
+#include "runtime/device_binding.h"
+
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/cuda.h>
 
 #include <mpi.h>
 
@@ -32,7 +36,53 @@ BOOST_AUTO_TEST_CASE(runtime_threads_and_device) {
   BOOST_TEST(rt.num_threads() == 1);
   BOOST_TEST(at::get_num_threads() == 1);
   BOOST_TEST((rt.device().is_cpu() || rt.device().is_cuda()));
-  if (rt.device().is_cuda()) BOOST_TEST(rt.device().index() == rt.local_rank());
+  if (rt.device().is_cuda()) {
+    // With one visible GPU per rank (per-task binding) that is cuda:0.
+    const auto visible = static_cast<int>(torch::cuda::device_count());
+    BOOST_TEST(rt.device().index() == rt.local_rank() % visible);
+    BOOST_TEST(c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice() == rt.device(),
+               "the Runtime's device is the current CUDA device");
+  }
+}
+
+// The device rules, on the node facts a GPU machine would give (no GPU
+// needed): choice by local rank, per-task binding, a shared GPU refused.
+BOOST_AUTO_TEST_CASE(device_binding_rules) {
+  using fsdp::detail::DeviceRequest;
+  using fsdp::detail::choose_device;
+  const c10::Device cpu(c10::kCPU);
+  BOOST_TEST(choose_device(DeviceRequest::Auto, 3, 0) == cpu);
+  BOOST_TEST(choose_device(DeviceRequest::Cpu, 3, 4) == cpu);
+  BOOST_TEST(choose_device(DeviceRequest::Auto, 3, 4) == c10::Device(c10::kCUDA, 3));
+  BOOST_TEST(choose_device(DeviceRequest::Cuda, 5, 4) == c10::Device(c10::kCUDA, 1));
+  // Per-task binding: every rank sees its own GPU as the only one.
+  BOOST_TEST(choose_device(DeviceRequest::Auto, 2, 1) == c10::Device(c10::kCUDA, 0));
+  BOOST_CHECK_EXCEPTION(choose_device(DeviceRequest::Cuda, 0, 0), fsdp::StateError,
+                        [](const fsdp::StateError& e) {
+                          return std::string(e.what()).find("sees no CUDA device") !=
+                                 std::string::npos;
+                        });
+  BOOST_TEST((fsdp::detail::parse_device_request("cuda", "FSDP_DEVICE") == DeviceRequest::Cuda));
+  BOOST_TEST((fsdp::detail::parse_device_request("cpu", "FSDP_DEVICE") == DeviceRequest::Cpu));
+  BOOST_CHECK_EXCEPTION(fsdp::detail::parse_device_request("gpu", "FSDP_DEVICE"),
+                        fsdp::ArgumentError, [](const fsdp::ArgumentError& e) {
+                          return e.argument() == "FSDP_DEVICE" &&
+                                 std::string(e.what()).find("accepted: auto, cpu, cuda") !=
+                                     std::string::npos;
+                        });
+
+  using fsdp::detail::shared_gpu_error;
+  BOOST_TEST(shared_gpu_error({"0000:01:00.0", "0000:02:00.0"}, 2).empty());
+  BOOST_TEST(shared_gpu_error({"0000:01:00.0", "0000:02:00.0", "0000:03:00.0"}, 1).empty(),
+             "per-task binding: one visible GPU each, all different");
+  // 4 ranks, 2 GPUs: local ranks 0 and 2 land on cuda:0.
+  const std::string shared =
+      shared_gpu_error({"0000:01:00.0", "0000:02:00.0", "0000:01:00.0", "0000:02:00.0"}, 2);
+  BOOST_TEST(shared.find("local ranks 0 and 2 would share GPU 0000:01:00.0") != std::string::npos,
+             shared);
+  BOOST_TEST(shared.find("4 ranks on this node, 2 visible CUDA device(s)") != std::string::npos,
+             shared);
+  BOOST_TEST(shared.find("FSDP_DEVICE=cpu") != std::string::npos, shared);
 }
 
 BOOST_AUTO_TEST_CASE(runtime_reports_blas) {

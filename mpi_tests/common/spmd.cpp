@@ -323,17 +323,7 @@ void record_precision(const PrecisionRecord& r) {
   if (!out) std::cerr << "[spmd] failed to append a precision record to " << g_report_path << std::endl;
 }
 
-c10::Device device() {
-  const char* env = std::getenv("FSDP_TEST_DEVICE");
-  if (env != nullptr && std::string(env) == "cpu") return c10::Device(c10::kCPU);
-  if (env != nullptr && std::string(env) == "cuda") {
-    return c10::Device(c10::kCUDA,
-                       static_cast<c10::DeviceIndex>(g_runtime->device().is_cuda()
-                                                         ? g_runtime->device().index()
-                                                         : 0));
-  }
-  return g_runtime->device();
-}
+c10::Device device() { return g_runtime->device(); }
 
 }  // namespace spmd
 
@@ -341,6 +331,20 @@ int main(int argc, char** argv) {
   // Single-threaded LibTorch per rank unless told otherwise: test ranks share cores.
   fsdp::RuntimeOptions options;
   if (std::getenv("FSDP_NUM_THREADS") == nullptr) options.num_threads = 1;
+  // The entry's device is the Runtime's: a cpu entry on a GPU node binds no
+  // GPU (and is not refused for ranks sharing one), a gpu entry binds
+  // cuda:<local rank % visible devices> or fails at start-up saying why.
+  if (const char* dev = std::getenv("FSDP_TEST_DEVICE"); dev != nullptr && *dev != '\0') {
+    const std::string d(dev);
+    if (d == "cpu") {
+      options.device = c10::kCPU;
+    } else if (d == "cuda") {
+      options.device = c10::kCUDA;
+    } else {
+      std::cerr << "[spmd] FSDP_TEST_DEVICE='" << d << "': accepted: cpu, cuda" << std::endl;
+      return 2;
+    }
+  }
   spmd::g_runtime = std::make_unique<fsdp::Runtime>(&argc, &argv, options);
   MPI_Comm_dup(MPI_COMM_WORLD, &spmd::g_harness_comm);
   spmd::g_watchdog = std::make_unique<spmd::Watchdog>();

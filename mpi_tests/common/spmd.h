@@ -31,8 +31,8 @@ namespace spmd {
 fsdp::Runtime& runtime();
 int rank();
 int world_size();
-// Device the suite runs on: the Runtime's device unless $FSDP_TEST_DEVICE
-// ("cpu" or "cuda") says otherwise.
+// Device the suite runs on: the Runtime's, which $FSDP_TEST_DEVICE ("cpu"
+// or "cuda", set by every CTest entry) chooses (RuntimeOptions::device).
 c10::Device device();
 // Name of the running test case.
 std::string current_case();

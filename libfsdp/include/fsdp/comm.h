@@ -143,7 +143,11 @@ class ProcessGroup {
   // Point-to-point with another group rank; tag in 0..32767 (the smallest
   // tag bound MPI guarantees; NCCL ignores tags and matches in issue order).
   // Unlike collectives these are not queued behind the group's other work:
-  // they start at once, so an async send and recv may be in flight together.
+  // they start at once. On CPU tensors (MPI) an async send and recv may be
+  // in flight together in either order. On CUDA tensors (NCCL) each is its
+  // own kernel on the group's stream, which runs them one after the other:
+  // two ranks that both send first deadlock. Exchange with
+  // batch_isend_irecv, which is safe on both.
   virtual WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0, bool async_op = false) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int src, int tag = 0, bool async_op = false) = 0;
   // Starts every op of `ops` together and returns one Work per op, in the

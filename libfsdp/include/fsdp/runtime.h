@@ -48,6 +48,13 @@ struct RuntimeOptions {
   // default: CpuCollectives' measured per-collective values).
   // Must be the same on every rank (refused with ArgumentError otherwise).
   std::optional<CpuCollectives> cpu_collectives;
+  // The device this rank computes on: kCPU, or kCUDA (cuda:<local rank %
+  // visible devices>, made the current CUDA device). Unset: $FSDP_DEVICE
+  // ("auto", "cpu", "cuda"), else auto: CUDA when LibTorch sees a GPU.
+  // With the NCCL backend, two ranks of a node on one GPU are refused at
+  // start-up (StateError on every rank: NCCL cannot run them); run one rank
+  // per GPU, or kCPU for CPU tensors over MPI.
+  std::optional<c10::DeviceType> device;
 };
 
 class Runtime {
@@ -56,7 +63,8 @@ class Runtime {
   // the provided thread level is checked). Throws StateError if a Runtime is
   // already alive or MPI cannot provide MPI_THREAD_MULTIPLE; ArgumentError
   // naming the option or variable for a bad timeout, FSDP_TIMEOUT,
-  // FSDP_DEBUG or FSDP_NUM_THREADS.
+  // FSDP_DEBUG, FSDP_NUM_THREADS, FSDP_MPI_ALGO or FSDP_DEVICE; StateError
+  // for a device that cannot be bound (RuntimeOptions::device).
   Runtime(int* argc, char*** argv, RuntimeOptions options = {});
   ~Runtime();
   Runtime(const Runtime&) = delete;
@@ -72,7 +80,8 @@ class Runtime {
   // so it is right under mpirun and srun alike).
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
-  // cuda:<local rank> when LibTorch has CUDA devices, else cpu.
+  // See RuntimeOptions::device: cuda:<local rank % visible devices> (the
+  // current CUDA device of this process) or cpu.
   c10::Device device() const { return device_; }
   int num_threads() const { return num_threads_; }
   // The watchdog's timeout in seconds (0: off) and whether desync detection
@@ -85,6 +94,7 @@ class Runtime {
   bool owns_mpi() const { return owns_mpi_; }
 
  private:
+  void bind_device(const RuntimeOptions& options, MPI_Comm node);
   bool owns_mpi_ = false;
   int world_rank_ = 0;
   int world_size_ = 1;

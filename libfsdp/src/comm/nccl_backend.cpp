@@ -6,10 +6,24 @@
 // compute. Unlike the MPI backend there is no communication thread: NCCL
 // enqueues kernels, so issuing from the caller's thread is already async.
 //
-// Communicators are created on first use. The group's comes with its first
-// collective (all members issue it). A send/recv between two members of a
-// larger group uses a communicator of just that pair, as c10d does: only the
-// two of them issue the op, so it cannot wait for the rest of the group.
+// The group's communicator is created with the backend when the Runtime's
+// device is CUDA (eager: group creation is collective), else by its first
+// collective. A send/recv between two members of a larger group uses a
+// communicator of just that pair, as c10d does: only the two of them issue
+// the op, so it cannot wait for the rest of the group.
+//
+// Failures are asynchronous: a dead peer leaves the kernels spinning and only
+// ncclCommGetAsyncError tells. The communicators' CommHealth is polled at
+// every issue, by Work::is_completed()/wait(), and by the library watchdog,
+// which aborts them (ncclCommAbort) before it aborts the job.
+//
+// Memory: every tensor an op uses is record_stream'ed on the communication
+// stream, so the caching allocator does not reuse it before the op is done
+// even if the caller frees it first. That can raise peak memory (a block
+// freed on the compute stream waits for the comm stream's event) where
+// FSDP2 instead holds references until the Work is waited; the Works here
+// hold references too, so record_stream only matters for tensors freed
+// while their Work is still alive. To be measured on a GPU.
 // NCCL has no message tags: sends and recvs between a pair match in issue
 // order, and `tag` (validated by ProcessGroupImpl) is ignored.
 #include "fsdp/errors.h"
@@ -98,11 +112,67 @@ struct UniqueIdMessage {
   ncclUniqueId id{};
 };
 
+// The communicators of one backend, shared with its Works (which may
+// outlive it) and polled by the watchdog.
+class CommHealth final : public AsyncErrorSource {
+ public:
+  void add(ncclComm_t comm, std::string what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    comms_.emplace_back(comm, std::move(what));
+  }
+
+  std::string async_error() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return "";
+    for (const auto& [comm, what] : comms_) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(comm, &async);
+      if (rc != ncclSuccess) return "ncclCommGetAsyncError on the " + what + " failed: " +
+                                    ncclGetErrorString(rc);
+      if (async != ncclSuccess) {
+        return "NCCL " + what + " has an asynchronous error: " + ncclGetErrorString(async);
+      }
+    }
+    return "";
+  }
+
+  void abort() noexcept override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    for (const auto& entry : comms_) ncclCommAbort(entry.first);
+  }
+
+  // The backend is going: a communicator with an asynchronous error is
+  // aborted (a graceful destroy would wait for peers that may never answer).
+  void release() noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_) {
+      for (const auto& entry : comms_) {
+        ncclResult_t async = ncclSuccess;
+        if (ncclCommGetAsyncError(entry.first, &async) != ncclSuccess || async != ncclSuccess) {
+          ncclCommAbort(entry.first);
+        } else {
+          ncclCommDestroy(entry.first);
+        }
+      }
+    }
+    aborted_ = true;  // nothing left to poll
+    comms_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<ncclComm_t, std::string>> comms_;
+  bool aborted_ = false;
+};
+
 class NcclWork final : public Work, public PendingWork {
  public:
-  NcclWork(c10::DeviceIndex device, std::vector<at::Tensor> tensors, WorkInfo info)
+  NcclWork(c10::DeviceIndex device, std::vector<at::Tensor> tensors, WorkInfo info,
+           std::shared_ptr<CommHealth> health)
       : device_(device), tensors_(std::move(tensors)), info_(std::move(info)),
-        description_(info_.describe()) {
+        description_(info_.describe()), health_(std::move(health)) {
     check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate",
                description_);
     register_pending(this);
@@ -116,7 +186,10 @@ class NcclWork final : public Work, public PendingWork {
 
   cudaEvent_t event() const { return done_; }
 
+  // Orders the caller's current stream after the op; the host does not
+  // block (synchronise the stream for host-side completion).
   void wait() override {
+    if (query() == cudaErrorNotReady) note_async_error();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!error_.empty()) throw CommError(error_);
@@ -125,9 +198,11 @@ class NcclWork final : public Work, public PendingWork {
                "cudaStreamWaitEvent", description_ + " (Work::wait)");
   }
 
+  // True once the op's kernels finished on the device, or once its
+  // communicator reports an asynchronous error (wait() then throws it).
   bool is_completed() override {
     const cudaError_t rc = query();
-    if (rc == cudaErrorNotReady) return false;
+    if (rc == cudaErrorNotReady) return note_async_error();
     if (rc != cudaSuccess) {
       std::lock_guard<std::mutex> lock(mu_);
       if (error_.empty()) {
@@ -142,6 +217,14 @@ class NcclWork final : public Work, public PendingWork {
   std::string describe() const override { return description_; }
 
  private:
+  bool note_async_error() {
+    const std::string error = health_->async_error();
+    if (error.empty()) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty()) error_ = description_ + ": " + error;
+    return true;
+  }
+
   cudaError_t query() const {
     const cudaError_t rc = cudaEventQuery(done_);
     // "Not ready" would otherwise linger as this thread's last CUDA error and
@@ -157,6 +240,7 @@ class NcclWork final : public Work, public PendingWork {
   WorkInfo info_;
   std::string description_;  // for error messages
   cudaEvent_t done_ = nullptr;
+  std::shared_ptr<CommHealth> health_;
   std::mutex mu_;
   std::string error_;
 };
@@ -164,19 +248,22 @@ class NcclWork final : public Work, public PendingWork {
 class NcclBackend final : public Backend {
  public:
   NcclBackend(MPI_Comm bootstrap, c10::Device device, std::string group_name,
-              CollectiveCheck* check)
+              CollectiveCheck* check, bool eager)
       : bootstrap_(bootstrap), device_(device), group_name_(std::move(group_name)), check_(check),
-        stream_(compat::comm_stream(device.index())) {
+        stream_(compat::comm_stream(device.index())),
+        health_(std::make_shared<CommHealth>()) {
     check_mpi(MPI_Comm_rank(bootstrap_, &rank_), "MPI_Comm_rank");
     check_mpi(MPI_Comm_size(bootstrap_, &size_), "MPI_Comm_size");
     c10::cuda::CUDAGuard guard(device_.index());
     check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate",
                "NCCL backend set-up on " + group_name_);
+    register_async_error_source(health_);
+    if (eager) group_comm();
   }
 
   ~NcclBackend() override {
-    for (auto& [peer, comm] : pair_comms_) release(comm);
-    if (comm_ != nullptr) release(comm_);
+    unregister_async_error_source(health_.get());
+    health_->release();
     cudaEventDestroy(ready_);
   }
 
@@ -323,7 +410,7 @@ class NcclBackend final : public Backend {
     check_cuda(cudaEventRecord(ready_, caller), "cudaEventRecord", what);
     check_cuda(cudaStreamWaitEvent(stream_.stream(), ready_, 0), "cudaStreamWaitEvent", what);
     // Created before the launch so that nothing is enqueued if it fails.
-    auto work = std::make_shared<NcclWork>(device_.index(), tensors, std::move(info));
+    auto work = std::make_shared<NcclWork>(device_.index(), tensors, std::move(info), health_);
     check_nccl(launch(stream_.stream()), what);
     for (const at::Tensor& t : tensors) compat::record_stream(t, stream_);
     check_cuda(cudaEventRecord(work->event(), stream_.stream()), "cudaEventRecord", what);
@@ -346,7 +433,9 @@ class NcclBackend final : public Backend {
       if (rank_ == 0) msg.rc = ncclGetUniqueId(&msg.id);
       check_mpi(MPI_Bcast(&msg, static_cast<int>(sizeof msg), MPI_BYTE, 0, bootstrap_),
                 "MPI_Bcast (NCCL unique id)");
-      comm_ = init_comm(msg, size_, rank_, "communicator of " + group_name_);
+      const std::string what = "communicator of " + group_name_;
+      comm_ = init_comm(msg, size_, rank_, what);
+      health_->add(comm_, what);
     }
     return comm_;
   }
@@ -370,6 +459,7 @@ class NcclBackend final : public Backend {
       const std::string what = "communicator of group ranks " + std::to_string(rank_) + " and " +
                                std::to_string(peer) + " of " + group_name_;
       it = pair_comms_.emplace(peer, init_comm(msg, 2, low ? 0 : 1, what)).first;
+      health_->add(it->second, what);
     }
     return {it->second, low ? 1 : 0};
   }
@@ -386,27 +476,8 @@ class NcclBackend final : public Backend {
   // A failed peer or network leaves its communicator unusable and the ops on
   // it spinning; this surfaces that at the next issue instead of queueing more.
   void check_async_errors(const std::string& what) {
-    auto check = [&](ncclComm_t comm) {
-      ncclResult_t async = ncclSuccess;
-      check_nccl(ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError before " + what);
-      if (async != ncclSuccess) {
-        throw_nccl(async, "communicator of " + group_name_ + " (asynchronous error, seen before " +
-                              what + ")");
-      }
-    };
-    if (comm_ != nullptr) check(comm_);
-    for (const auto& [peer, comm] : pair_comms_) check(comm);
-  }
-
-  // A communicator with an asynchronous error is aborted: a graceful destroy
-  // would wait for peers that may never answer.
-  static void release(ncclComm_t comm) noexcept {
-    ncclResult_t async = ncclSuccess;
-    if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async != ncclSuccess) {
-      ncclCommAbort(comm);
-    } else {
-      ncclCommDestroy(comm);
-    }
+    const std::string error = health_->async_error();
+    if (!error.empty()) throw CommError(error + " (seen before " + what + ")");
   }
 
   MPI_Comm bootstrap_;
@@ -421,13 +492,15 @@ class NcclBackend final : public Backend {
   cudaEvent_t ready_ = nullptr;  // reusable: a stream wait captures the event when issued
   ncclComm_t comm_ = nullptr;
   std::map<int, ncclComm_t> pair_comms_;  // by peer group rank; only for groups of > 2
+  std::shared_ptr<CommHealth> health_;    // owns comm_ and pair_comms_' lifetimes
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
-                                           std::string group_name, CollectiveCheck* check) {
-  return std::make_unique<NcclBackend>(bootstrap, device, std::move(group_name), check);
+                                           std::string group_name, CollectiveCheck* check,
+                                           bool eager) {
+  return std::make_unique<NcclBackend>(bootstrap, device, std::move(group_name), check, eager);
 }
 
 }  // namespace fsdp::detail

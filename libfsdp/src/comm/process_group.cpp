@@ -192,6 +192,15 @@ ProcessGroupImpl::ProcessGroupImpl(MPI_Comm comm, std::vector<int> world_ranks, 
     }
   }
   mpi_ = make_mpi_backend(comm, name_, poll, mpi_check_.get());
+#ifdef FSDP_WITH_NCCL
+  // Created here, where every member is (group creation is collective), in
+  // the same order on every rank; lazily, inside the first collective, ranks
+  // that reach it at different times would deadlock in ncclCommInitRank.
+  const c10::Device device = comm_settings().device;
+  if (device.is_cuda()) {
+    nccl_ = make_nccl_backend(bootstrap_, device, name_, nccl_check_.get(), /*eager=*/true);
+  }
+#endif
 }
 
 ProcessGroupImpl::~ProcessGroupImpl() { shutdown(); }
@@ -225,7 +234,11 @@ Backend& ProcessGroupImpl::backend_for(const at::Tensor& t, const char* argument
   if (t.device().is_cpu()) return *mpi_;
   if (t.device().is_cuda()) {
 #ifdef FSDP_WITH_NCCL
-    if (!nccl_) nccl_ = make_nccl_backend(bootstrap_, t.device(), name_, nccl_check_.get());
+    // Only for CUDA tensors under a CPU Runtime device (FSDP_DEVICE=cpu):
+    // every member must then reach this first collective.
+    if (!nccl_) {
+      nccl_ = make_nccl_backend(bootstrap_, t.device(), name_, nccl_check_.get(), /*eager=*/false);
+    }
     return *nccl_;
 #else
     throw LayoutError(argument, std::string("'") + argument + "' is a CUDA tensor but libfsdp " +

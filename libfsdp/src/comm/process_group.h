@@ -123,12 +123,16 @@ class Backend {
 // check: FSDP_DEBUG=detail's, else null (not owned).
 std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll,
                                           CollectiveCheck* check);
-// NCCL transport for CUDA tensors on `device`. Its communicators are created
-// on first use, bootstrapped over `bootstrap` (not owned): the group's by the
-// first collective, a pair's by its first send/recv, so constructing it does
-// not communicate. Defined only when built with FSDP_WITH_NCCL.
+// NCCL transport for CUDA tensors on `device`, bootstrapped over `bootstrap`
+// (not owned). eager: the group's communicator is created now, which is
+// collective over the group (ProcessGroupImpl's constructor, itself
+// collective, passes true when the Runtime's device is CUDA: c10d's eager
+// init); else by the first collective. A pair's communicator (send/recv in a
+// group of more than 2) comes with that pair's first send/recv.
+// Defined only when built with FSDP_WITH_NCCL.
 std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
-                                           std::string group_name, CollectiveCheck* check);
+                                           std::string group_name, CollectiveCheck* check,
+                                           bool eager);
 
 class ProcessGroupImpl final : public ProcessGroup {
  public:
@@ -195,6 +199,9 @@ std::string describe_pending(const PendingEntry& e);
 struct CommSettings {
   double timeout_seconds = 600;    // 0: no watchdog
   bool check_collectives = false;  // FSDP_DEBUG=detail
+  // The Runtime's device: groups built while it is CUDA create their NCCL
+  // communicator at once (make_nccl_backend, eager).
+  c10::Device device{c10::kCPU};
 };
 // Set by the Runtime before any group exists; read by groups and the watchdog.
 void configure_comm(const CommSettings& settings);
@@ -203,6 +210,22 @@ const CommSettings& comm_settings();
 // collective outlives timeout_seconds, after printing it on this rank.
 void start_watchdog(int world_rank, int world_size);
 void stop_watchdog();
+
+// A transport whose failures surface asynchronously (NCCL: a dead peer or
+// network leaves kernels spinning and the host blocked, with the error only
+// in ncclCommGetAsyncError). The watchdog polls every registered source each
+// period; an error is printed and aborts the job as a timeout does, and on
+// either the watchdog first aborts every source's communicators so that no
+// kernel keeps spinning. Both calls must be thread-safe and must not block.
+class AsyncErrorSource {
+ public:
+  virtual ~AsyncErrorSource() = default;
+  // Empty when healthy, else what failed ("NCCL communicator of ranks[0,1]: ...").
+  virtual std::string async_error() = 0;
+  virtual void abort() noexcept = 0;
+};
+void register_async_error_source(const std::shared_ptr<AsyncErrorSource>& source);
+void unregister_async_error_source(const AsyncErrorSource* source);
 
 // FSDP_DEBUG=detail: before each collective every rank of the group gathers
 // every rank's fingerprint of it over a communicator of its own and throws

@@ -5,7 +5,8 @@
 // rank waiting inside MPI or NCCL forever. A thread per process looks at the
 // pending-collective registry; once the oldest entry has been in flight for
 // longer than the timeout it prints what is stuck on this rank and aborts
-// the whole job, as NCCL's watchdog and c10d's timeout do.
+// the whole job, as NCCL's watchdog and c10d's timeout do. It also polls the
+// transports whose errors arrive asynchronously (NCCL) and aborts on one.
 #include "comm/process_group.h"
 
 #include <algorithm>
@@ -31,6 +32,55 @@ struct Watchdog {
 };
 Watchdog* g_watchdog = nullptr;
 
+struct AsyncErrorSources {
+  std::mutex mu;
+  std::vector<std::weak_ptr<AsyncErrorSource>> list;
+};
+AsyncErrorSources& async_error_sources() {
+  static AsyncErrorSources s;
+  return s;
+}
+
+std::vector<std::shared_ptr<AsyncErrorSource>> live_sources() {
+  auto& s = async_error_sources();
+  std::lock_guard<std::mutex> lock(s.mu);
+  std::vector<std::shared_ptr<AsyncErrorSource>> out;
+  for (auto& w : s.list) {
+    if (auto p = w.lock()) out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// Before the job goes: no NCCL kernel of this process keeps spinning on a
+// peer that will never answer, and the GPU is released promptly.
+void abort_async_sources() noexcept {
+  for (auto& source : live_sources()) source->abort();
+}
+
+[[noreturn]] void abort_job() {
+  // The other ranks stuck in the same collective time out within a poll
+  // period of this one: give them a moment to print theirs first.
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  MPI_Abort(MPI_COMM_WORLD, kExitStatus);
+  std::_Exit(kExitStatus);  // MPI_Abort does not return; in case it does
+}
+
+[[noreturn]] void report_async_error_and_abort(const std::string& error, int rank, int size) {
+  std::ostringstream os;
+  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": " << error
+     << " (asynchronous transport error: a peer failed or the network is down)";
+  for (const PendingEntry& e : pending_snapshot()) {
+    os << "\n[libfsdp watchdog] rank " << rank << ": pending: " << describe_pending(e);
+  }
+  os << "\n[libfsdp watchdog] rank " << rank << ": aborting the job (MPI_Abort, exit status "
+     << kExitStatus << ")\n";
+  const std::string text = os.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+  abort_async_sources();
+  abort_job();
+}
+
 [[noreturn]] void report_and_abort(const std::vector<PendingEntry>& pending, int rank, int size,
                                    double timeout) {
   std::ostringstream os;
@@ -47,14 +97,31 @@ Watchdog* g_watchdog = nullptr;
   const std::string text = os.str();
   std::fwrite(text.data(), 1, text.size(), stderr);
   std::fflush(stderr);
-  // The other ranks stuck in the same collective time out within a poll
-  // period of this one: give them a moment to print theirs first.
-  std::this_thread::sleep_for(std::chrono::seconds(2));
-  MPI_Abort(MPI_COMM_WORLD, kExitStatus);
-  std::_Exit(kExitStatus);  // MPI_Abort does not return; in case it does
+  abort_async_sources();
+  abort_job();
 }
 
 }  // namespace
+
+void register_async_error_source(const std::shared_ptr<AsyncErrorSource>& source) {
+  auto& s = async_error_sources();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.list.erase(std::remove_if(s.list.begin(), s.list.end(),
+                              [](const std::weak_ptr<AsyncErrorSource>& w) { return w.expired(); }),
+               s.list.end());
+  s.list.push_back(source);
+}
+
+void unregister_async_error_source(const AsyncErrorSource* source) {
+  auto& s = async_error_sources();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.list.erase(std::remove_if(s.list.begin(), s.list.end(),
+                              [source](const std::weak_ptr<AsyncErrorSource>& w) {
+                                auto p = w.lock();
+                                return !p || p.get() == source;
+                              }),
+               s.list.end());
+}
 
 void configure_comm(const CommSettings& settings) { g_settings = settings; }
 
@@ -73,6 +140,10 @@ void start_watchdog(int world_rank, int world_size) {
       const std::vector<PendingEntry> pending = pending_snapshot();
       if (!pending.empty() && pending.front().seconds > timeout) {
         report_and_abort(pending, world_rank, world_size, timeout);
+      }
+      for (auto& source : live_sources()) {
+        const std::string error = source->async_error();
+        if (!error.empty()) report_async_error_and_abort(error, world_rank, world_size);
       }
     }
   });

@@ -5,9 +5,14 @@
 #include "fsdp/mesh.h"
 #include "fsdp/trace.h"
 #include "comm/process_group.h"
+#include "runtime/device_binding.h"
 #include "runtime/torch_compat.h"
+#ifdef FSDP_WITH_NCCL
+#include "runtime/cuda_device.h"
+#endif
 
 #include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>
 
 #include <dlfcn.h>
@@ -19,6 +24,7 @@
 #include <iostream>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 namespace fsdp {
 namespace {
@@ -209,6 +215,13 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
                     "MPI_Comm_split_type");
   MPI_Comm_rank(node, &local_rank_);
   MPI_Comm_size(node, &local_size_);
+  try {
+    bind_device(options, node);
+  } catch (...) {
+    MPI_Comm_free(&node);
+    if (owns_mpi_) MPI_Finalize();
+    throw;
+  }
   MPI_Comm_free(&node);
 
   num_threads_ = options.num_threads > 0 ? options.num_threads : threads_from_env();
@@ -219,14 +232,10 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   compat::set_intra_op_threads(num_threads_);
   set_blas_threads(num_threads_);
 
-  const auto cuda_devices = static_cast<int>(torch::cuda::device_count());
-  if (cuda_devices > 0) {
-    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank_ % cuda_devices));
-  }
   blas_library_ = loaded_blas_library();
 
   detail::init_mpi_types();
-  detail::configure_comm({timeout_seconds_, check_collectives_});
+  detail::configure_comm({timeout_seconds_, check_collectives_, device_});
   set_cpu_collectives(cpu_collectives_);
   detail::init_group_registry();
   g_runtime = this;
@@ -260,6 +269,44 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   }
   trace::detail::start(world_rank_, world_size_);  // FSDP_TRACE
   detail::start_watchdog(world_rank_, world_size_);
+}
+
+// Every rank reaches the same verdict (the ids are gathered over the node),
+// so a refusal throws on all of them instead of leaving some waiting.
+void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
+  detail::DeviceRequest request = detail::DeviceRequest::Auto;
+  if (options.device) {
+    if (*options.device != c10::kCPU && *options.device != c10::kCUDA) {
+      throw ArgumentError("device", "RuntimeOptions::device = " +
+                                        c10::DeviceTypeName(*options.device, true) +
+                                        "; accepted: kCPU, kCUDA (unset: $FSDP_DEVICE or auto)");
+    }
+    request = *options.device == c10::kCPU ? detail::DeviceRequest::Cpu
+                                           : detail::DeviceRequest::Cuda;
+  } else if (const char* env = std::getenv("FSDP_DEVICE"); env != nullptr && *env != '\0') {
+    request = detail::parse_device_request(env, "FSDP_DEVICE");
+  }
+  const auto cuda_devices = static_cast<int>(torch::cuda::device_count());
+  device_ = detail::choose_device(request, local_rank_, cuda_devices);
+  if (!device_.is_cuda()) return;
+  // Kernels, streams and contexts this process creates go to its own GPU,
+  // not to cuda:0 in every rank.
+  c10::impl::VirtualGuardImpl(c10::kCUDA).setDevice(device_);
+#ifdef FSDP_WITH_NCCL
+  constexpr int kIdBytes = 64;
+  char mine[kIdBytes] = {};
+  const std::string id = detail::cuda_pci_bus_id(device_.index());
+  id.copy(mine, kIdBytes - 1);
+  std::vector<char> all(static_cast<size_t>(kIdBytes) * static_cast<size_t>(local_size_));
+  detail::check_mpi(MPI_Allgather(mine, kIdBytes, MPI_CHAR, all.data(), kIdBytes, MPI_CHAR, node),
+                    "MPI_Allgather (GPU ids)");
+  std::vector<std::string> ids;
+  for (int r = 0; r < local_size_; ++r) ids.emplace_back(&all[static_cast<size_t>(r) * kIdBytes]);
+  const std::string shared = detail::shared_gpu_error(ids, cuda_devices);
+  if (!shared.empty()) throw StateError(shared);
+#else
+  (void)node;
+#endif
 }
 
 Runtime::~Runtime() {
