@@ -22,6 +22,7 @@
 #include <fsdp/mesh.h>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <mpi.h>
 
@@ -264,15 +265,29 @@ WorkPtr counted(const std::string& op, const ProcessGroup& g, int64_t bytes,
   return work;
 }
 
-// A synchronous call must hand back a completed Work; an async one completes
-// by wait(). Either way is_completed() holds afterwards and wait() may be
-// called again.
+// What a returned Work guarantees depends on the device of the tensors, the
+// suite's device (comm.h's Work):
+//  - CPU (MPI): a synchronous call hands back a completed Work; an async one
+//    is complete once wait() returns.
+//  - CUDA (NCCL): neither blocks the host. A synchronous call and wait() make
+//    the caller's current stream wait for the collective (later work on it
+//    sees the result); is_completed() turns true once the GPU has run the
+//    collective, which holds after a device synchronize.
+// Either way wait() may be called again.
 void finish(const WorkPtr& work, bool async_op) {
   BOOST_CHECK_MESSAGE(work != nullptr, "the collective returned no Work");
   if (!work) return;
-  if (!async_op) BOOST_CHECK_MESSAGE(work->is_completed(), "a synchronous call returned early");
-  work->wait();
-  BOOST_CHECK_MESSAGE(work->is_completed(), "is_completed() is false after wait()");
+  const c10::Device device = spmd::device();
+  if (device.is_cuda()) {
+    work->wait();
+    torch::cuda::synchronize(device.index());
+    BOOST_CHECK_MESSAGE(work->is_completed(),
+                        "is_completed() is false after wait() and a device synchronize");
+  } else {
+    if (!async_op) BOOST_CHECK_MESSAGE(work->is_completed(), "a synchronous call returned early");
+    work->wait();
+    BOOST_CHECK_MESSAGE(work->is_completed(), "is_completed() is false after wait()");
+  }
   work->wait();
 }
 
@@ -583,7 +598,8 @@ BOOST_AUTO_TEST_CASE(test_async_ops_in_flight_complete_in_issue_order) {
         }));
 
         // Poll newest first: once an op is seen complete, every op issued
-        // before it must already be complete.
+        // before it must already be complete (on CUDA is_completed() polls
+        // the GPU, so the loop ends once the device has run them all).
         bool ordered = true;
         for (bool last_done = false; !last_done;) {
           last_done = works.back()->is_completed();
@@ -628,7 +644,8 @@ BOOST_AUTO_TEST_CASE(test_async_work_is_not_completed_until_every_rank_joins) {
                        [&] { return g.all_reduce(t, ReduceOp::SUM, true); });
       };
       // Group rank 0 joins only after every other member has looked at its
-      // Work, so none of those can be complete when looked at.
+      // Work, so none of those can be complete when looked at (on CUDA too:
+      // a member's NCCL kernel cannot finish before rank 0 launched its own).
       WorkPtr work;
       if (g.rank() == 0) {
         for (int p = 1; p < n; ++p) {
@@ -739,7 +756,10 @@ BOOST_AUTO_TEST_CASE(test_collective_counters_count_each_call_and_reset) {
 }
 
 // Both ranks of each pair send first: a queued blocking send would deadlock
-// past MPI's eager limit, so point-to-point must start at once.
+// past MPI's eager limit, so point-to-point must start at once. An MPI
+// property, so CPU tensors on every entry (with NCCL, whose sends and
+// receives are queued in order on one stream, such an exchange needs
+// batch_isend_irecv); wait() on MPI Works blocks until they are complete.
 BOOST_AUTO_TEST_CASE(test_send_recv_exchange_both_send_first,
                      *spmd::needs_even_world_size("to pair the ranks up")) {
   auto group = fsdp::world_group();

@@ -2,7 +2,9 @@
 // per-dim groups, sub-meshes and flatten, each group proven by a real
 // all_reduce over exactly the expected members; unflatten views against
 // init_device_mesh of the same shape, concatenate of slices, and the views'
-// argument errors.
+// argument errors. Every mesh is built for the suite's device type and every
+// group is proven with a tensor on the suite's device (spmd::device(): cuda
+// on the gpu entry, so the all_reduces run over NCCL there; see mesh_of()).
 #include "spmd.h"
 
 #include <fsdp/errors.h>
@@ -16,6 +18,18 @@
 
 namespace {
 
+// The suite's device type, its name ("cpu" or "cuda": what the string
+// overload of init_device_mesh takes and DeviceMesh::to_string prints), and
+// a mesh of that type.
+c10::DeviceType device_type() { return spmd::device().type(); }
+
+std::string device_name() { return c10::DeviceTypeName(device_type(), /*lower_case=*/true); }
+
+fsdp::DeviceMesh mesh_of(const std::vector<int64_t>& shape,
+                         const std::vector<std::string>& names = {}) {
+  return fsdp::init_device_mesh(device_type(), shape, names);
+}
+
 // Sum of (world rank + 1) over `members`, computed by an all_reduce on the
 // group: equals the hand-computed value only if the group holds exactly them.
 void expect_group_members(const fsdp::ProcessGroupPtr& group, const std::vector<int>& members) {
@@ -23,7 +37,7 @@ void expect_group_members(const fsdp::ProcessGroupPtr& group, const std::vector<
   BOOST_TEST(group->size() == static_cast<int>(members.size()));
   int expected = 0;
   for (int r : members) expected += r + 1;
-  auto t = at::full({1}, spmd::rank() + 1, at::kLong);
+  auto t = at::full({1}, spmd::rank() + 1, at::TensorOptions(at::kLong).device(spmd::device()));
   group->all_reduce(t);
   BOOST_TEST(t.item<int64_t>() == expected);
 }
@@ -74,7 +88,7 @@ void check_mesh_error(const std::function<void()>& f, const std::string& argumen
 BOOST_AUTO_TEST_CASE(mesh_1d_4) {
   require_world(4);
   const int r = spmd::rank();
-  auto mesh = fsdp::init_device_mesh(c10::kCPU, {4}, {"shard"});
+  auto mesh = mesh_of({4}, {"shard"});
   BOOST_TEST(mesh.ndim() == 1);
   BOOST_TEST(mesh.size() == 4);
   BOOST_TEST(mesh.size(0) == 4);
@@ -82,7 +96,7 @@ BOOST_AUTO_TEST_CASE(mesh_1d_4) {
   BOOST_TEST(mesh.get_coordinate() == std::vector<int64_t>{r}, boost::test_tools::per_element());
   BOOST_TEST(mesh.get_local_rank("shard") == r);
   BOOST_TEST(mesh.get_rank() == r);
-  BOOST_TEST(mesh.device_type() == c10::kCPU);
+  BOOST_TEST(mesh.device_type() == device_type());
   expect_group_members(mesh.get_group("shard"), {0, 1, 2, 3});
   // The 1-D mesh's group is the world group (same members, cached once).
   BOOST_TEST(mesh.get_group(0).get() == fsdp::world_group().get());
@@ -92,7 +106,7 @@ BOOST_AUTO_TEST_CASE(mesh_1d_4) {
 BOOST_AUTO_TEST_CASE(mesh_2d_2x2) {
   require_world(4);
   const int r = spmd::rank();
-  auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  auto mesh = fsdp::init_device_mesh(device_name(), {2, 2}, {"replicate", "shard"});
   const int64_t row = r / 2, col = r % 2;
   BOOST_TEST(mesh.get_coordinate() == (std::vector<int64_t>{row, col}),
              boost::test_tools::per_element());
@@ -135,7 +149,7 @@ BOOST_AUTO_TEST_CASE(mesh_2d_2x2) {
 BOOST_AUTO_TEST_CASE(mesh_2d_1x4) {
   require_world(4);
   const int r = spmd::rank();
-  auto mesh = fsdp::init_device_mesh(c10::kCPU, {1, 4}, {"replicate", "shard"});
+  auto mesh = mesh_of({1, 4}, {"replicate", "shard"});
   BOOST_TEST(mesh.get_coordinate() == (std::vector<int64_t>{0, r}), boost::test_tools::per_element());
   expect_group_members(mesh.get_group("replicate"), {r});
   expect_group_members(mesh.get_group("shard"), {0, 1, 2, 3});
@@ -146,7 +160,7 @@ BOOST_AUTO_TEST_CASE(mesh_2d_1x4) {
 BOOST_AUTO_TEST_CASE(mesh_3d_2x1x2) {
   require_world(4);
   const int r = spmd::rank();
-  auto mesh = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  auto mesh = mesh_of({2, 1, 2}, {"pp", "tp", "dp"});
   const int64_t a = r / 2, c = r % 2;
   BOOST_TEST(mesh.get_coordinate() == (std::vector<int64_t>{a, 0, c}),
              boost::test_tools::per_element());
@@ -173,16 +187,17 @@ BOOST_AUTO_TEST_CASE(mesh_3d_2x1x2) {
   BOOST_TEST(mesh.size("pp") == 2);
   BOOST_TEST(mesh.size("tp") == 1);
   BOOST_TEST(mesh.size("dp") == 2);
-  BOOST_TEST(mesh.to_string() == "DeviceMesh(cpu, shape=(2, 1, 2), names=(pp, tp, dp))");
+  BOOST_TEST(mesh.to_string() ==
+             "DeviceMesh(" + device_name() + ", shape=(2, 1, 2), names=(pp, tp, dp))");
 }
 
 BOOST_AUTO_TEST_CASE(mesh_default_names_and_cache) {
   require_world(4);
-  auto a = fsdp::init_device_mesh(c10::kCPU, {2, 2});
+  auto a = mesh_of({2, 2});
   BOOST_TEST(a.dim_names() == (std::vector<std::string>{"dim0", "dim1"}),
              boost::test_tools::per_element());
   // A second mesh with the same layout reuses the cached communicators.
-  auto b = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"x", "y"});
+  auto b = mesh_of({2, 2}, {"x", "y"});
   BOOST_TEST(a.get_group(0).get() == b.get_group("x").get());
   BOOST_TEST(a.get_group(1).get() == b.get_group("y").get());
 }
@@ -192,7 +207,7 @@ BOOST_AUTO_TEST_CASE(mesh_default_names_and_cache) {
 BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {
   require_world(4);
   const int r = spmd::rank();
-  const auto world = fsdp::init_device_mesh(c10::kCPU, {4}, {"world"});
+  const auto world = mesh_of({4}, {"world"});
   const std::vector<int> all = {0, 1, 2, 3};
   const int a = r / 2, b = r % 2;
 
@@ -200,7 +215,7 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {
   const auto u22 = world.unflatten(0, {2, 2}, {"dp", "tp"});
   BOOST_TEST(u22.get_coordinate() == (std::vector<int64_t>{a, b}),
              boost::test_tools::per_element());
-  expect_same_mesh(u22, fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"dp", "tp"}),
+  expect_same_mesh(u22, mesh_of({2, 2}, {"dp", "tp"}),
                    {{b, b + 2}, {2 * a, 2 * a + 1}});
   // The other dims of the source keep their groups: here the "tp" slice of
   // the view is the same group a (2, 2) init mesh has.
@@ -211,18 +226,18 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {
   const auto u212 = world.unflatten("world", {2, 1, 2}, {"pp", "tp", "dp"});
   BOOST_TEST(u212.get_coordinate() == (std::vector<int64_t>{a, 0, b}),
              boost::test_tools::per_element());
-  expect_same_mesh(u212, fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"}),
+  expect_same_mesh(u212, mesh_of({2, 1, 2}, {"pp", "tp", "dp"}),
                    {{b, b + 2}, {r}, {2 * a, 2 * a + 1}});
 
   // (1, 4) and (4, 1): a size-1 dim's group is {r}, the other is the world.
   expect_same_mesh(world.unflatten(0, {1, 4}, {"x", "y"}),
-                   fsdp::init_device_mesh(c10::kCPU, {1, 4}, {"x", "y"}), {{r}, all});
+                   mesh_of({1, 4}, {"x", "y"}), {{r}, all});
   expect_same_mesh(world.unflatten(0, {4, 1}, {"x", "y"}),
-                   fsdp::init_device_mesh(c10::kCPU, {4, 1}, {"x", "y"}), {all, {r}});
+                   mesh_of({4, 1}, {"x", "y"}), {all, {r}});
 
   // One size: a rename over the same group, no new communicator.
   const auto renamed = world.unflatten(0, {4}, {"dp"});
-  expect_same_mesh(renamed, fsdp::init_device_mesh(c10::kCPU, {4}, {"dp"}), {all});
+  expect_same_mesh(renamed, mesh_of({4}, {"dp"}), {all});
   BOOST_TEST(renamed.get_group(0).get() == world.get_group(0).get());
   BOOST_TEST(renamed.dim_names() == std::vector<std::string>{"dp"},
              boost::test_tools::per_element());
@@ -237,21 +252,21 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_inner_dim_and_slice) {
   require_world(4);
   const int r = spmd::rank();
   const int a = r / 2, b = r % 2;
-  const auto m = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"rep", "shard"});
+  const auto m = mesh_of({2, 2}, {"rep", "shard"});
 
   // (2, 2) -> (1, 2, 2): the new leading dim of size 1.
   expect_same_mesh(m.unflatten(0, {1, 2}, {"pp", "dp"}),
-                   fsdp::init_device_mesh(c10::kCPU, {1, 2, 2}, {"pp", "dp", "shard"}),
+                   mesh_of({1, 2, 2}, {"pp", "dp", "shard"}),
                    {{r}, {b, b + 2}, {2 * a, 2 * a + 1}});
   // (2, 2) -> (2, 2, 1) by name; the replaced dim's own name may be reused.
   expect_same_mesh(m.unflatten("shard", {2, 1}, {"shard", "tp"}),
-                   fsdp::init_device_mesh(c10::kCPU, {2, 2, 1}, {"rep", "shard", "tp"}),
+                   mesh_of({2, 2, 1}, {"rep", "shard", "tp"}),
                    {{b, b + 2}, {2 * a, 2 * a + 1}, {r}});
 
   // (2, 1, 2) with the middle dim split into (1, 1) -> (2, 1, 1, 2).
-  const auto m3 = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  const auto m3 = mesh_of({2, 1, 2}, {"pp", "tp", "dp"});
   expect_same_mesh(m3.unflatten("tp", {1, 1}, {"etp", "cp"}),
-                   fsdp::init_device_mesh(c10::kCPU, {2, 1, 1, 2}, {"pp", "etp", "cp", "dp"}),
+                   mesh_of({2, 1, 1, 2}, {"pp", "etp", "cp", "dp"}),
                    {{b, b + 2}, {r}, {r}, {2 * a, 2 * a + 1}});
 
   // A slice over ranks {2a, 2a+1} unflattened to (2, 1): each rank calls it
@@ -275,7 +290,7 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_dense_and_sparse_views) {
   require_world(4);
   const int r = spmd::rank();
   const int a = r / 2, b = r % 2;
-  const auto world = fsdp::init_device_mesh(c10::kCPU, {4}, {"world"});
+  const auto world = mesh_of({4}, {"world"});
   const auto dense = world.unflatten(0, {1, 2, 2}, {"dp_replicate", "fsdp", "tp"});
   const auto sparse = world.unflatten(0, {1, 4}, {"efsdp", "ep"});
   expect_group_members(dense.get_group("fsdp"), {b, b + 2});
@@ -305,7 +320,7 @@ BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
   require_world(4);
   const int r = spmd::rank();
   const int a = r / 2, c = r % 2;
-  const auto m = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  const auto m = mesh_of({2, 1, 2}, {"pp", "tp", "dp"});
   using fsdp::DeviceMesh;
   if (r == 0) {
     BOOST_TEST((DeviceMesh::concatenate({m["pp"], m["dp"]}) == m[{"pp", "dp"}]));
@@ -348,16 +363,16 @@ BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
   BOOST_TEST((dp_pp != pp_dp));
 
   // Roots are compared by value: an equal mesh built again counts as the same.
-  const auto again = fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"pp", "tp", "dp"});
+  const auto again = mesh_of({2, 1, 2}, {"pp", "tp", "dp"});
   BOOST_TEST((again == m));
   BOOST_TEST((DeviceMesh::concatenate({m["pp"], again["dp"]}) == m[{"pp", "dp"}]));
-  BOOST_TEST((fsdp::init_device_mesh(c10::kCPU, {2, 1, 2}, {"a", "b", "c"}) != m));
+  BOOST_TEST((mesh_of({2, 1, 2}, {"a", "b", "c"}) != m));
   BOOST_TEST((m["pp"] != m["dp"]));
 }
 
 BOOST_AUTO_TEST_CASE(mesh_view_argument_errors) {
   require_world(4);
-  const auto m = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"rep", "shard"});
+  const auto m = mesh_of({2, 2}, {"rep", "shard"});
   using fsdp::DeviceMesh;
   // unflatten: every check runs before any collective, so all ranks throw.
   check_mesh_error([&] { m.unflatten(2, {2}, {"x"}); }, "dim");
@@ -380,7 +395,7 @@ BOOST_AUTO_TEST_CASE(mesh_view_argument_errors) {
   check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], m.flatten()}); }, "meshes");
   const auto view = m.unflatten(1, {2, 1}, {"s", "t"});
   check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], view["s"]}); }, "meshes");
-  const auto other = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"x", "y"});
+  const auto other = mesh_of({2, 2}, {"x", "y"});
   check_mesh_error([&] { DeviceMesh::concatenate({m["rep"], other["y"]}); }, "meshes");
   // A failed call leaves the world usable: the next collective lines up.
   expect_group_members(m.get_group("shard"), {2 * (spmd::rank() / 2), 2 * (spmd::rank() / 2) + 1});

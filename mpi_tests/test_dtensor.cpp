@@ -5,6 +5,11 @@
 // Shard(1) and Replicate on every 1-, 2- and 3-D mesh of the world size.
 // Expected values are built here from at::arange and a hand-written ceil-div
 // split, never from the library under test.
+//
+// Every tensor lives on the suite's device and every mesh is built for it
+// (spmd::device(): cuda on the gpu entries, where the redistributions run
+// over NCCL; cpu on the cpu entries, over MPI), through on_device() and
+// mesh_of() below.
 #include "spmd.h"
 #include "toy_models.h"
 
@@ -31,6 +36,13 @@ using Shape = std::vector<int64_t>;
 
 int world() { return spmd::world_size(); }
 
+// The suite's device: float32 on it, and a mesh of its type.
+at::TensorOptions on_device() { return at::TensorOptions(at::kFloat).device(spmd::device()); }
+
+fsdp::DeviceMesh mesh_of(const Shape& shape, const std::vector<std::string>& names = {}) {
+  return fsdp::init_device_mesh(spmd::device().type(), shape, names);
+}
+
 boost::unit_test::precondition even_world_of_4_or_more(const std::string& reason) {
   return spmd::skip_unless([] { return world() >= 4 && world() % 2 == 0; },
                            "needs an even world size >= 4: " + reason);
@@ -44,10 +56,10 @@ struct Mesh {
 // The 1-D mesh, and the (replicate, shard) mesh when the world splits in two.
 std::vector<Mesh> meshes() {
   std::vector<Mesh> out;
-  out.push_back({fsdp::init_device_mesh(c10::kCPU, {world()}), {world()}});
+  out.push_back({mesh_of({world()}), {world()}});
   if (world() >= 4 && world() % 2 == 0) {
     const Shape shape{2, world() / 2};
-    out.push_back({fsdp::init_device_mesh(c10::kCPU, shape, {"replicate", "shard"}), shape});
+    out.push_back({mesh_of(shape, {"replicate", "shard"}), shape});
   }
   return out;
 }
@@ -78,7 +90,7 @@ at::Tensor expected_local(const at::Tensor& full, const Shape& mesh_shape,
 at::Tensor arange(const Shape& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
-  return at::arange(n, at::kFloat).reshape(shape);
+  return at::arange(n, on_device()).reshape(shape);
 }
 
 // A distinct, exactly representable partial value per contributor index.
@@ -226,7 +238,7 @@ BOOST_AUTO_TEST_CASE(from_local_round_trip) {
 // world-1 rows (3 on 4 ranks): chunk 1, so the last rank owns no rows; the
 // columns of (3, 5) on 4 ranks split 2, 2, 1, 0.
 BOOST_AUTO_TEST_CASE(trailing_rank_owns_nothing) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
+  const fsdp::DeviceMesh mesh = mesh_of({world()});
   const bool last = spmd::rank() == world() - 1;
   const at::Tensor full = arange({world() - 1, 5});
   const fsdp::DTensor rows = fsdp::distribute_tensor(full, mesh, {Placement::Shard(0)});
@@ -249,11 +261,11 @@ BOOST_AUTO_TEST_CASE(trailing_rank_owns_nothing) {
 }
 
 BOOST_AUTO_TEST_CASE(partial_to_replicate_and_shard) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
+  const fsdp::DeviceMesh mesh = mesh_of({world()});
   const int64_t one_if_comm = world() > 1 ? 1 : 0;
   for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG}) {
     for (const Shape& shape : kShapes) {
-      at::Tensor want = at::zeros(shape, at::kFloat);
+      at::Tensor want = at::zeros(shape, on_device());
       for (int r = 0; r < world(); ++r) want += contribution(shape, r);
       if (op == ReduceOp::AVG) want /= world();
       for (const Placement& target :
@@ -288,8 +300,7 @@ BOOST_AUTO_TEST_CASE(partial_to_replicate_and_shard) {
 
 BOOST_AUTO_TEST_CASE(partial_on_2d_mesh, *even_world_of_4_or_more("a (2, w/2) mesh")) {
   const Shape mesh_shape{2, world() / 2};
-  const fsdp::DeviceMesh mesh =
-      fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"replicate", "shard"});
+  const fsdp::DeviceMesh mesh = mesh_of(mesh_shape, {"replicate", "shard"});
   const Shape c = coordinate(mesh_shape);
   for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG}) {
     for (const Shape& shape : kShapes) {
@@ -366,7 +377,7 @@ BOOST_AUTO_TEST_CASE(redistribute_between_layouts) {
 }
 
 BOOST_AUTO_TEST_CASE(replicate_partial_round_trip) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
+  const fsdp::DeviceMesh mesh = mesh_of({world()});
   for (const Shape& shape : kShapes) {
     BOOST_TEST_CONTEXT("shape " << str(shape)) {
       const at::Tensor full = arange(shape);
@@ -402,8 +413,7 @@ BOOST_AUTO_TEST_CASE(replicate_partial_round_trip) {
   }
   if (world() >= 4 && world() % 2 == 0) {
     const Shape mesh_shape{2, world() / 2};
-    const fsdp::DeviceMesh mesh2 =
-        fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"replicate", "shard"});
+    const fsdp::DeviceMesh mesh2 = mesh_of(mesh_shape, {"replicate", "shard"});
     const at::Tensor full = arange({7, 15});
     const fsdp::DTensor s = fsdp::distribute_tensor(
         full, mesh2, {Placement::Shard(0), Placement::Shard(1)});
@@ -417,7 +427,7 @@ BOOST_AUTO_TEST_CASE(replicate_partial_round_trip) {
 }
 
 BOOST_AUTO_TEST_CASE(from_local_infers_uneven_shape) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
+  const fsdp::DeviceMesh mesh = mesh_of({world()});
   const int64_t n = 2 * world() - 1;  // chunk 2: the last rank holds 1 row
   const at::Tensor full = arange({n, 3});
   const fsdp::DTensor rows = fsdp::DTensor::from_local(
@@ -434,53 +444,58 @@ BOOST_AUTO_TEST_CASE(from_local_infers_uneven_shape) {
 }
 
 BOOST_AUTO_TEST_CASE(from_local_rejects_misfit_on_every_rank) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
+  const fsdp::DeviceMesh mesh = mesh_of({world()});
   const bool last = spmd::rank() == world() - 1;
   // Misfits between ranks need two of them; a lone rank's piece always fits.
   if (world() > 1) {
     // 1, ..., 1, 3 rows: no ceil-div layout of w + 2 rows looks like that.
     check_throws<fsdp::ShapeError>(
         [&] {
-          fsdp::DTensor::from_local(at::zeros({last ? 3 : 1, 4}), mesh, {Placement::Shard(0)});
+          fsdp::DTensor::from_local(at::zeros({last ? 3 : 1, 4}, on_device()), mesh,
+                                    {Placement::Shard(0)});
         },
         "local");
     // Unsharded dims must agree.
     check_throws<fsdp::ShapeError>(
         [&] {
-          fsdp::DTensor::from_local(at::zeros({2, spmd::rank() == 0 ? 5 : 6}), mesh,
+          fsdp::DTensor::from_local(at::zeros({2, spmd::rank() == 0 ? 5 : 6}, on_device()), mesh,
                                     {Placement::Shard(0)});
         },
         "local");
     // Replicas must agree.
     check_throws<fsdp::ShapeError>(
         [&] {
-          fsdp::DTensor::from_local(at::zeros({4, last ? 4 : 5}), mesh, {Placement::Replicate()});
+          fsdp::DTensor::from_local(at::zeros({4, last ? 4 : 5}, on_device()), mesh,
+                                    {Placement::Replicate()});
         },
         "local");
   }
   // An explicit shape the pieces do not fit, and a shape of the wrong rank.
   check_throws<fsdp::ShapeError>(
       [&] {
-        fsdp::DTensor::from_local(at::zeros({1, 4}), mesh, {Placement::Shard(0)}, Shape{100, 4});
+        fsdp::DTensor::from_local(at::zeros({1, 4}, on_device()), mesh, {Placement::Shard(0)},
+                                  Shape{100, 4});
       },
       "local");
   check_throws<fsdp::ShapeError>(
-      [&] { fsdp::DTensor::from_local(at::zeros({1, 4}), mesh, {Placement::Shard(0)}, Shape{4}); },
+      [&] {
+        fsdp::DTensor::from_local(at::zeros({1, 4}, on_device()), mesh, {Placement::Shard(0)},
+                                  Shape{4});
+      },
       "shape");
 
   if (world() >= 4 && world() % 2 == 0) {
-    const fsdp::DeviceMesh mesh2 =
-        fsdp::init_device_mesh(c10::kCPU, {2, world() / 2}, {"replicate", "shard"});
+    const fsdp::DeviceMesh mesh2 = mesh_of({2, world() / 2}, {"replicate", "shard"});
     // Only the last rank's group sees the misfit; the others must still throw.
     check_throws<fsdp::ShapeError>(
         [&] {
-          fsdp::DTensor::from_local(at::zeros({last ? 3 : 2, 4}), mesh2,
+          fsdp::DTensor::from_local(at::zeros({last ? 3 : 2, 4}, on_device()), mesh2,
                                     {Placement::Replicate(), Placement::Shard(0)});
         },
         "local");
     check_throws<fsdp::ShapeError>(
         [&] {
-          fsdp::DTensor::from_local(at::zeros({2, last ? 3 : 4}), mesh2,
+          fsdp::DTensor::from_local(at::zeros({2, last ? 3 : 4}, on_device()), mesh2,
                                     {Placement::Shard(0), Placement::Replicate()});
         },
         "local");
@@ -488,16 +503,17 @@ BOOST_AUTO_TEST_CASE(from_local_rejects_misfit_on_every_rank) {
 
   // Every rank left from_local at the same point: a following collective
   // lines up and a valid from_local still works.
-  const fsdp::DTensor ok = fsdp::DTensor::from_local(at::ones({2, 4}), mesh, {Placement::Shard(0)});
+  const fsdp::DTensor ok =
+      fsdp::DTensor::from_local(at::ones({2, 4}, on_device()), mesh, {Placement::Shard(0)});
   BOOST_TEST(ok.shape() == Shape({2 * world(), 4}));
-  at::Tensor t = at::ones({1}, at::kFloat);
+  at::Tensor t = at::ones({1}, on_device());
   mesh.get_group(0)->all_reduce(t);
   BOOST_TEST(t.item<float>() == static_cast<float>(world()));
 }
 
 BOOST_AUTO_TEST_CASE(placement_argument_errors) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {world()});
-  const at::Tensor local = at::zeros({2, 3});
+  const fsdp::DeviceMesh mesh = mesh_of({world()});
+  const at::Tensor local = at::zeros({2, 3}, on_device());
   check_throws<fsdp::ArgumentError>(
       [&] {
         fsdp::DTensor::from_local(local, mesh, {Placement::Shard(0), Placement::Replicate()});
@@ -607,7 +623,7 @@ std::vector<Mesh> all_meshes() {
   }
   std::vector<Mesh> out;
   for (const Shape& shape : shapes) {
-    out.push_back({fsdp::init_device_mesh(c10::kCPU, shape), shape});
+    out.push_back({mesh_of(shape), shape});
   }
   return out;
 }
@@ -620,10 +636,11 @@ const std::vector<Shape> kStridedShapes{{7, 6}, {3, 5}, {8, 3}, {0, 2}};
 // catches any rounding or misplaced row.
 at::Tensor values(const Shape& shape) { return arange(shape) * 1.0009765625 + 0.3; }
 
+// The bytes are compared on the host (CPU tensors are not copied).
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
   if (a.numel() == 0) return true;
-  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  const at::Tensor x = a.contiguous().cpu(), y = b.contiguous().cpu();
   return std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.nbytes())) == 0;
 }
 
@@ -658,7 +675,7 @@ BOOST_AUTO_TEST_CASE(strided_shard_placement_basics) {
 // tp piece j = ceil-div of n over 2, then dp part i = ceil-div of that piece.
 BOOST_AUTO_TEST_CASE(strided_shard_ownership_np4,
                      *spmd::needs_world_size(4, "the hand-written ownership tables are for 4 ranks")) {
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, {2, 2}, {"dp", "tp"});
+  const fsdp::DeviceMesh mesh = mesh_of({2, 2}, {"dp", "tp"});
   const Placements strided{SS(0, 2), Placement::Shard(0)};
   struct Row {
     int64_t n;
@@ -701,7 +718,7 @@ BOOST_AUTO_TEST_CASE(strided_shard_ownership_np4,
   // Local sizes 2, 2, 1, 1 (by world rank) fit 6 rows strided (table above)
   // but no plain nested layout: inference follows the strided nesting.
   const int64_t sizes[] = {2, 2, 1, 1};
-  const at::Tensor mine = at::zeros({sizes[r], 3});
+  const at::Tensor mine = at::zeros({sizes[r], 3}, on_device());
   const fsdp::DTensor six = fsdp::DTensor::from_local(mine, mesh, strided);
   BOOST_TEST(six.shape() == Shape({6, 3}));
   check_throws<fsdp::ShapeError>(
@@ -793,7 +810,7 @@ BOOST_AUTO_TEST_CASE(strided_redistribute_between_layouts) {
 // reduce-scatters over dp alone into the strided shard.
 BOOST_AUTO_TEST_CASE(strided_shard_fsdp_collectives, *even_world_of_4_or_more("(2, w/2)")) {
   const Shape mesh_shape{2, world() / 2};
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"dp", "tp"});
+  const fsdp::DeviceMesh mesh = mesh_of(mesh_shape, {"dp", "tp"});
   const Shape c = coordinate(mesh_shape);
   const Layout strided{{SS(0, mesh_shape[1]), Placement::Shard(0)}, {{1, 0}, {0, 0}}};
   const Layout tp_only{{Placement::Replicate(), Placement::Shard(0)}, {{1, 0}}};
@@ -833,8 +850,8 @@ BOOST_AUTO_TEST_CASE(strided_shard_fsdp_collectives, *even_world_of_4_or_more("(
 }
 
 BOOST_AUTO_TEST_CASE(strided_shard_argument_errors) {
-  const fsdp::DeviceMesh mesh1 = fsdp::init_device_mesh(c10::kCPU, {world()});
-  const at::Tensor t = at::zeros({4, 4});
+  const fsdp::DeviceMesh mesh1 = mesh_of({world()});
+  const at::Tensor t = at::zeros({4, 4}, on_device());
   // On a 1-D mesh nothing is to the right: sf counts fused pieces, which
   // must cut the dim evenly (4 rows do not make 3 pieces).
   check_throws<fsdp::ShapeError>(
@@ -857,7 +874,7 @@ BOOST_AUTO_TEST_CASE(strided_shard_argument_errors) {
   BOOST_TEST((neg.placements()[0] == SS(1, 1)));
 
   if (world() >= 4 && world() % 2 == 0) {
-    const fsdp::DeviceMesh mesh2 = fsdp::init_device_mesh(c10::kCPU, {2, world() / 2});
+    const fsdp::DeviceMesh mesh2 = mesh_of({2, world() / 2});
     const int64_t tp = world() / 2;
     // sf must be the size of the dims to the right that shard the same dim.
     check_throws<fsdp::ArgumentError>(
@@ -879,7 +896,7 @@ BOOST_AUTO_TEST_CASE(strided_shard_argument_errors) {
     BOOST_TEST(!ok.placements()[0].is_shard());
   }
   // Every rank left at the same point: a following collective lines up.
-  at::Tensor one = at::ones({1}, at::kFloat);
+  at::Tensor one = at::ones({1}, on_device());
   mesh1.get_group(0)->all_reduce(one);
   BOOST_TEST(one.item<float>() == static_cast<float>(world()));
 }
@@ -906,7 +923,7 @@ at::Tensor fused_rows(const at::Tensor& full, int64_t pieces, int64_t parts, int
 // (StridedShard(0, tp) on dp).
 BOOST_AUTO_TEST_CASE(strided_shard_fused_pieces) {
   const int64_t w = world();
-  const fsdp::DeviceMesh line = fsdp::init_device_mesh(c10::kCPU, {w}, {"tp"});
+  const fsdp::DeviceMesh line = mesh_of({w}, {"tp"});
   const Placements fused{Placement::StridedShard(0, 3)};
   for (const Shape& shape : {Shape{12, 2}, Shape{9, 3}, Shape{3, 4}, Shape{0, 2}}) {
     BOOST_TEST_CONTEXT("shape " << str(shape)) {
@@ -936,11 +953,11 @@ BOOST_AUTO_TEST_CASE(strided_shard_fused_pieces) {
   check_throws<fsdp::ShapeError>(
       [&] { fsdp::distribute_tensor(values({10, 2}), line, fused); }, "placements");
   check_throws<fsdp::ShapeError>(
-      [&] { fsdp::DTensor::from_local(at::zeros({2, 2}), line, fused, Shape{10, 2}); },
+      [&] { fsdp::DTensor::from_local(at::zeros({2, 2}, on_device()), line, fused, Shape{10, 2}); },
       "placements");
   if (w < 4 || w % 2 != 0) return;
   const Shape mesh_shape{2, w / 2};
-  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh(c10::kCPU, mesh_shape, {"dp", "tp"});
+  const fsdp::DeviceMesh mesh = mesh_of(mesh_shape, {"dp", "tp"});
   const Shape c = coordinate(mesh_shape);
   const Placements fsdp_tp{Placement::StridedShard(0, mesh_shape[1]),
                            Placement::StridedShard(0, 3)};

@@ -793,6 +793,8 @@ BOOST_AUTO_TEST_CASE(test_cpu_offload_pin_memory) {
       BOOST_TEST(m.param.is_cpu(), m.name << " parameter not on CPU " << when);
       if (m.param.grad().defined()) {
         BOOST_TEST(m.param.grad().is_cpu(), m.name << " grad not on CPU " << when);
+        // Downloaded into pinned memory without blocking (param.cpp).
+        if (cuda) BOOST_TEST(m.param.grad().is_pinned(), m.name << " grad not pinned " << when);
       }
       if (cuda) BOOST_TEST(m.dt.to_local().is_pinned(), m.name << " shard not pinned " << when);
     }

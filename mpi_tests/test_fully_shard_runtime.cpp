@@ -1,6 +1,15 @@
 // L1: runtime properties of fully_shard that the plan's rows assume --
 // gradients equal the single-card ones, steady-state steps reuse the
 // unsharded buffers, and one rank issues no collectives at all.
+//
+// Everything runs on the suite's device (spmd::device(): cuda on the gpu
+// entries). Models -- the sharded ones and their single-card references
+// alike -- and data are made on the CPU from their seeds, as on the cpu
+// entries, and moved there (on_device), so both sides compute with the same
+// kernels and only the sharding differs.
+//
+// No case here offloads (CPUOffloadPolicy): offloaded shards, pinned on
+// CUDA, are checked in test_fully_shard_precision.
 #include "spmd.h"
 #include "toy_models.h"
 
@@ -14,8 +23,20 @@
 
 namespace {
 
+// A module (holder or shared_ptr), a tensor or a batch moved to the suite's
+// device.
+template <typename M>
+M on_device(M module) {
+  module->to(spmd::device());
+  return module;
+}
+
+at::Tensor on_device(const at::Tensor& t) { return t.to(spmd::device()); }
+
+toy::Batch on_device(const toy::Batch& b) { return {on_device(b.x), on_device(b.y)}; }
+
 struct Sharded {
-  toy::Mlp model{1};
+  toy::Mlp model = on_device(toy::Mlp(1));
   fsdp::Sharded<toy::Mlp> root{nullptr};
   Sharded() {
     fsdp::fully_shard(model->fc1);
@@ -28,9 +49,9 @@ struct Sharded {
 
 BOOST_AUTO_TEST_CASE(grads_match_single_card) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  toy::Mlp ref(1);
+  toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;
-  const auto batch = toy::global_batch(7, 8);
+  const auto batch = on_device(toy::global_batch(7, 8));
   const auto mine = toy::slice(batch, rank, ws);
   toy::mse(s.root(mine.x), mine.y).backward();
   toy::mse(ref(batch.x), batch.y).backward();
@@ -46,7 +67,8 @@ BOOST_AUTO_TEST_CASE(grads_match_single_card) {
 
 BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {
   Sharded s;
-  const auto batch = toy::slice(toy::global_batch(3, 8), spmd::rank(), spmd::world_size());
+  const auto batch =
+      toy::slice(on_device(toy::global_batch(3, 8)), spmd::rank(), spmd::world_size());
   torch::optim::SGD opt(s.model->parameters(), torch::optim::SGDOptions(0.1));
   auto fsdp_fc1 = *fsdp::fsdp_module_of(*s.model->fc1.ptr());
   std::vector<const void*> storages;
@@ -66,9 +88,9 @@ BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {
 
 BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,
                      *spmd::needs_world_size(1, "runs only on one rank (registered at np 1)")) {
-  toy::Mlp ref(1);
+  toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;
-  const auto batch = toy::global_batch(7, 8);
+  const auto batch = on_device(toy::global_batch(7, 8));
   fsdp::reset_collective_counters();
   toy::mse(s.root(batch.x), batch.y).backward();
   BOOST_TEST(fsdp::collective_counters().sequence.empty());
@@ -98,11 +120,11 @@ TORCH_MODULE(TiedLm);
 
 BOOST_AUTO_TEST_CASE(tied_weights_live_in_one_unit) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  TiedLm ref, model;
+  TiedLm ref = on_device(TiedLm()), model = on_device(TiedLm());
   fsdp::fully_shard(model->mid);
   auto root = fsdp::fully_shard(model);
-  const auto tokens = at::arange(8, at::kLong) % 9;
-  const auto targets = (at::arange(8, at::kLong) * 5 + 1) % 9;
+  const auto tokens = on_device(at::arange(8, at::kLong) % 9);
+  const auto targets = on_device((at::arange(8, at::kLong) * 5 + 1) % 9);
   const int64_t per = 8 / ws;
   const auto my_tokens = tokens.narrow(0, rank * per, per);
   const auto my_targets = targets.narrow(0, rank * per, per);
@@ -123,7 +145,7 @@ BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {
     fsdp::Sharded<torch::nn::Linear> mid{nullptr};
     at::Tensor proj;
   };
-  auto model = std::make_shared<CrossTied>();
+  auto model = on_device(std::make_shared<CrossTied>());
   fsdp::fully_shard(model->mid);
   BOOST_CHECK_EXCEPTION(fsdp::fully_shard(model), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) {
@@ -140,12 +162,14 @@ BOOST_AUTO_TEST_CASE(root_without_own_parameters) {
   torch::nn::Sequential ref(torch::nn::Linear(6, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
   at::manual_seed(11);
   torch::nn::Sequential model(torch::nn::Linear(6, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  on_device(ref);
+  on_device(model);
   fsdp::fully_shard(model[0]);
   fsdp::fully_shard(model[2]);
   auto root = fsdp::fully_shard(model.ptr());
   BOOST_TEST(root.is_root());
   at::manual_seed(12);
-  const auto x = at::randn({4 * ws, 6});
+  const auto x = on_device(at::randn({4 * ws, 6}));
   const auto mine = x.narrow(0, rank * 4, 4);
   model->forward(mine).pow(2).mean().backward();
   ref->forward(x).pow(2).mean().backward();
@@ -159,7 +183,7 @@ BOOST_AUTO_TEST_CASE(root_without_own_parameters) {
 
 BOOST_AUTO_TEST_CASE(state_dict_round_trips) {
   const int ws = spmd::world_size(), rank = spmd::rank();
-  toy::Mlp ref(1);
+  toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;
   auto unit = *fsdp::fsdp_module_of(*s.model->fc1.ptr());
   const at::Tensor full_w = ref->fc1->weight.detach();
@@ -175,7 +199,7 @@ BOOST_AUTO_TEST_CASE(state_dict_round_trips) {
   BOOST_TEST(at::equal(full[0].second, full_w));
 
   // Load a global-shape tensor, a local-shape tensor and a DTensor in turn.
-  const at::Tensor target = at::arange(full_w.numel(), at::kFloat).view(full_w.sizes());
+  const at::Tensor target = at::arange(full_w.numel(), full_w.options()).view(full_w.sizes());
   unit.load_state_dict(std::vector<std::pair<std::string, at::Tensor>>{{"weight", target}});
   BOOST_TEST(at::equal(s.model->fc1->weight.detach(), toy::shard_rows(target, ws, rank)));
   const at::Tensor local = toy::shard_rows(target, ws, rank) * 2;
@@ -195,6 +219,7 @@ BOOST_AUTO_TEST_CASE(state_dict_round_trips) {
       fsdp::ArgumentError, [](const fsdp::ArgumentError& e) { return e.argument() == "state"; });
   BOOST_CHECK_EXCEPTION(
       unit.load_state_dict(
-          std::vector<std::pair<std::string, at::Tensor>>{{"weight", at::zeros({2, 2})}}),
+          std::vector<std::pair<std::string, at::Tensor>>{
+              {"weight", at::zeros({2, 2}, full_w.options())}}),
       fsdp::ShapeError, [](const fsdp::ShapeError& e) { return e.argument() == "state"; });
 }

@@ -90,7 +90,7 @@ namespace {
 struct ShardedTP {
   std::unique_ptr<ref::Case> c = ref::make_case("llm_decoder");
   int64_t dp = spmd::world_size() / 2;
-  fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {dp, 2}, {"shard", "tp"});
+  fsdp::DeviceMesh mesh = fsdp::init_device_mesh(spmd::device().type(), {dp, 2}, {"shard", "tp"});
   std::shared_ptr<torch::nn::Module> model;
   std::vector<ref::Unit> units;
 
@@ -103,6 +103,7 @@ struct ShardedTP {
     spec.sequence_parallel = sp;
     spec.loss_parallel = lp;
     model = c->build_tp(mesh["tp"], spec);
+    model->to(spmd::device());  // as the runner does
     units = c->shard(model, o);
   }
 };
@@ -237,7 +238,8 @@ BOOST_AUTO_TEST_CASE(test_tp_fsdp_state_dicts, *spmd::needs_even_world_size("tp 
 
 // Shapes that do not split over tp are typed errors naming the argument.
 BOOST_AUTO_TEST_CASE(test_tp_decoder_shape_errors, *spmd::needs_even_world_size("tp = 2")) {
-  const auto mesh = fsdp::init_device_mesh("cpu", {spmd::world_size() / 2, 2}, {"shard", "tp"});
+  const auto mesh =
+      fsdp::init_device_mesh(spmd::device().type(), {spmd::world_size() / 2, 2}, {"shard", "tp"});
   auto attempt = [&](models::DecoderConfig cfg, bool sp, const std::string& argument) {
     bool thrown = false;
     try {

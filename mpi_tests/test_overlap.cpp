@@ -6,12 +6,21 @@
 // computes without touching MPI; rank 1's blocking all_reduce must complete
 // long before rank 0's compute ends -- only a communication thread inside MPI
 // can make that happen.
+//
+// The collectives and the compute run on the suite's device (spmd::device()):
+// on the cpu entries over MPI on the host, on the gpu entry over NCCL on the
+// GPU, where (2) shows NCCL's kernels finishing while rank 0's host only
+// drives its own compute. A CUDA call returns before the GPU has run it, so
+// every time is read after settle() (a device synchronize; nothing on the
+// CPU). The ranks' bookkeeping (max_over_ranks, the result exchange) stays
+// on CPU tensors, over MPI.
 #include "spmd.h"
 
 #include <fsdp/comm.h>
 #include <fsdp/mesh.h>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <chrono>
 #include <iostream>
@@ -21,13 +30,23 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// float32 on the suite's device.
+at::TensorOptions on_device() { return at::TensorOptions(at::kFloat).device(spmd::device()); }
+
+// Waits until the suite's device has run everything queued on it (CUDA
+// collectives and kernels return to the host before they ran); no-op on CPU.
+void settle() {
+  if (spmd::device().is_cuda()) torch::cuda::synchronize(spmd::device().index());
+}
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Deterministic CPU work that never calls MPI.
+// Deterministic work on the suite's device that never calls MPI or the
+// library (on CUDA each round's item() waits for that round's kernels).
 double compute_for(int rounds) {
-  auto a = at::ones({256, 256}, at::kFloat);
+  auto a = at::ones({256, 256}, on_device());
   double acc = 0;
   for (int i = 0; i < rounds; ++i) {
     a = at::tanh(at::mm(a, a) * 1e-3);
@@ -70,7 +89,7 @@ double max_over_ranks(double t) {
 // skips it; `ctest -L perf` runs it (see mpi_tests/CMakeLists.txt).
 BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label("perf")) {
   auto group = fsdp::world_group();
-  auto big = at::ones({32 * 1024 * 1024}, at::kFloat);  // 128 MiB
+  auto big = at::ones({32 * 1024 * 1024}, on_device());  // 128 MiB
   const bool computes = spmd::rank() == 0;
 
   // Calibrate rank 0's compute loop to about three times the collective, so
@@ -81,9 +100,11 @@ BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label
   compute_for(10);
   const double per_round = max_over_ranks(seconds_since(t0)) / 10;
   group->all_reduce(big);
+  settle();
   group->barrier();
   t0 = Clock::now();
   group->all_reduce(big);
+  settle();
   const int rounds =
       std::max(4, static_cast<int>(3 * max_over_ranks(seconds_since(t0)) / per_round));
 
@@ -96,14 +117,17 @@ BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label
     group->barrier();
     t0 = Clock::now();
     group->all_reduce(big);
+    settle();
     comm_alone = std::min(comm_alone, max_over_ranks(seconds_since(t0)));
 
     group->barrier();
     t0 = Clock::now();
     if (computes) compute_for(rounds);
+    settle();
     compute_alone = std::min(compute_alone, max_over_ranks(seconds_since(t0)));
 
     big.fill_(1.0f);
+    settle();
     group->barrier();
     t0 = Clock::now();
     if (computes) {
@@ -114,6 +138,7 @@ BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label
       std::this_thread::sleep_for(std::chrono::duration<double>(compute_alone / 4));
       group->all_reduce(big);
     }
+    settle();
     overlapped = std::min(overlapped, max_over_ranks(seconds_since(t0)));
     BOOST_TEST(big[12345].item<float>() == static_cast<float>(spmd::world_size()));
   }
@@ -128,7 +153,7 @@ BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label
 
 BOOST_AUTO_TEST_CASE(async_collective_progresses_without_caller) {
   auto group = fsdp::world_group();
-  auto buf = at::ones({1024}, at::kFloat);
+  auto buf = at::ones({1024}, on_device());
   group->barrier();
   double peer_wait = 0, compute_time = 0;
   if (spmd::rank() == 0) {
@@ -142,6 +167,7 @@ BOOST_AUTO_TEST_CASE(async_collective_progresses_without_caller) {
   } else {
     auto t0 = Clock::now();
     group->all_reduce(buf);
+    settle();  // on CUDA: until the result is in `buf`, not just queued
     peer_wait = seconds_since(t0);
   }
   auto times = at::tensor({peer_wait, compute_time}, at::kDouble);

@@ -1,6 +1,7 @@
 // Level-3 helpers: run a reference case under the FSDP, HSDP and DDP
 // layouts (reference/'s runner), load its cached single-card reference
-// (data/reference/cpu/<case>.h5, failing on a stale or missing one), and
+// (data/reference/cpu/<case>.h5, failing on a stale or missing one; the
+// gpu entries compare their CUDA runs with these CPU ones too), and
 // compare records metric by metric into an l1::Report (worst error over
 // ranks printed as "[L3-xx] <what>: worst <err> (tol <tol>)").
 //
@@ -62,8 +63,11 @@ inline std::string mesh_text(const ref::RunSpec& spec) {
   return text;
 }
 
+// Runs on the suite's device (spmd::device(): the gpu entries train the
+// networks on CUDA and compare with the same CPU references).
 inline ref::RunSpec fsdp(std::vector<int64_t> shape) {
   ref::RunSpec s;
+  s.device = spmd::device();
   s.layout = ref::Layout::FSDP;
   s.mesh_shape = std::move(shape);
   return s;
@@ -79,6 +83,7 @@ inline ref::RunSpec fsdp_ep(int64_t replicate, int64_t efsdp, int64_t ep) {
 
 inline ref::RunSpec ddp() {
   ref::RunSpec s;
+  s.device = spmd::device();
   s.layout = ref::Layout::DDP;
   return s;
 }

@@ -56,6 +56,15 @@ std::shared_ptr<Impl> as(const std::shared_ptr<torch::nn::Module>& m) {
 
 std::vector<at::Tensor> params_of(const torch::nn::Module& m) { return m.parameters(); }
 
+// This rank's slice of a global batch, on the model's device (the data is
+// always drawn on the CPU, so every device sees the same batch).
+at::Tensor slice_for(const std::shared_ptr<torch::nn::Module>& model, const at::Tensor& global,
+                     int64_t rank, int64_t world) {
+  const auto params = model->parameters();
+  const c10::Device device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+  return models::rank_slice(global, rank, world).to(device);
+}
+
 // Shards each layer of a decoder (plain or TP form), then the decoder itself.
 template <typename Decoder>
 void shard_decoder(Decoder& d, const std::string& prefix, const fsdp::FullyShardOptions& o,
@@ -114,7 +123,7 @@ class LlmDecoderCase : public Case {
                     int64_t world, Layout /*layout*/) const override {
     auto tokens = models::random_tokens(data_seed(1234, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
-    tokens = models::rank_slice(tokens, rank, world);
+    tokens = slice_for(model, tokens, rank, world);
     const at::Tensor inputs = tokens.narrow(1, 0, cfg_.seq);
     const at::Tensor targets = tokens.narrow(1, 1, cfg_.seq);
     if (auto t = std::dynamic_pointer_cast<models::TPDecoderImpl>(model)) {
@@ -166,7 +175,7 @@ class ChunkedCeCase : public Case {
                     int64_t world, Layout layout) const override {
     auto tokens = models::random_tokens(data_seed(2345, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
-    tokens = models::rank_slice(tokens, rank, world);
+    tokens = slice_for(model, tokens, rank, world);
     fsdp::Sharded<models::Decoder> net(as<models::DecoderImpl>(model));
     models::ChunkedLoss loss;
     loss.chunk_tokens = kChunk;
@@ -226,8 +235,8 @@ class VitCase : public Case {
     auto labels = models::random_tokens(data_seed(3456, step, 1), global_batch(), 1, cfg_.classes)
                       .view({-1});
     fsdp::Sharded<models::ViT> net(as<models::ViTImpl>(model));
-    auto logits = net(models::rank_slice(images, rank, world));
-    return {at::cross_entropy_loss(logits, models::rank_slice(labels, rank, world))};
+    auto logits = net(slice_for(model, images, rank, world));
+    return {at::cross_entropy_loss(logits, slice_for(model, labels, rank, world))};
   }
   std::vector<std::string> recorded() const override {
     return {"patch_embed.weight", "block5.mlp.fc2.weight"};
@@ -275,9 +284,9 @@ class MultimodalCase : public Case {
                                         cfg_.vision.channels, cfg_.vision.image);
     auto tokens =
         models::random_tokens(data_seed(4567, step, 1), global_batch(), d.seq + 1, d.vocab);
-    tokens = models::rank_slice(tokens, rank, world);
+    tokens = slice_for(model, tokens, rank, world);
     fsdp::Sharded<models::Multimodal> net(as<models::MultimodalImpl>(model));
-    auto logits = net(models::rank_slice(images, rank, world), tokens.narrow(1, 0, d.seq));
+    auto logits = net(slice_for(model, images, rank, world), tokens.narrow(1, 0, d.seq));
     return {models::lm_loss(logits, tokens.narrow(1, 1, d.seq))};
   }
   std::vector<std::string> recorded() const override {
@@ -333,7 +342,7 @@ class MoELlmCase : public Case {
                     int64_t world, Layout /*layout*/) const override {
     auto tokens = models::random_tokens(data_seed(kSeed, step, 0), global_batch(), cfg_.seq + 1,
                                         cfg_.vocab);
-    tokens = models::rank_slice(tokens, rank, world);
+    tokens = slice_for(model, tokens, rank, world);
     fsdp::Sharded<models::MoEDecoder> net(as<models::MoEDecoderImpl>(model));
     return {models::lm_loss(net(tokens.narrow(1, 0, cfg_.seq)), tokens.narrow(1, 1, cfg_.seq))};
   }

@@ -49,13 +49,16 @@ bool has_prefix(const std::string& name, const std::vector<std::string>& prefixe
 // of each full gradient, then the mean.
 void ddp_all_reduce(const std::vector<at::Tensor>& params, const World& w) {
   for (const auto& p : params) {
-    at::Tensor g = p.grad();
+    const at::Tensor g = p.grad();
     if (!g.defined()) continue;
     if (!g.is_contiguous() || g.scalar_type() != at::kFloat) {
       throw std::logic_error("DDP baseline: expected contiguous float32 gradients");
     }
-    MPI_Allreduce(MPI_IN_PLACE, g.data_ptr<float>(), static_cast<int>(g.numel()), MPI_FLOAT,
+    // MPI sees host memory only: a device gradient goes through a copy.
+    at::Tensor host = g.is_cpu() ? g : g.to(at::kCPU);
+    MPI_Allreduce(MPI_IN_PLACE, host.data_ptr<float>(), static_cast<int>(host.numel()), MPI_FLOAT,
                   MPI_SUM, MPI_COMM_WORLD);
+    if (!g.is_cpu()) g.copy_(host);
     g.div_(w.size);
   }
 }
@@ -192,7 +195,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
     }
     const int64_t replicate = spec.mesh_shape[0], efsdp = spec.mesh_shape[1];
     const fsdp::DeviceMesh dense =
-        fsdp::init_device_mesh("cpu", {replicate, efsdp * ep}, {"replicate", "dense"});
+        fsdp::init_device_mesh(spec.device.type(), {replicate, efsdp * ep}, {"replicate", "dense"});
     const fsdp::DeviceMesh sparse = dense.unflatten("dense", {efsdp, ep}, {"efsdp", "ep"});
     roles.add(dense);
     roles.add(sparse);
@@ -204,6 +207,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
     options.shard_dim = "dense";
     options.reshard_after_forward = spec.reshard_after_forward;
     model = c.build_ep(sparse["ep"]);
+    model->to(spec.device);
     // A size-1 replicate dim issues no collective, so (replicate, efsdp)
     // serves both replicate = 1 and HSDP.
     units = c.shard_ep(model, options, sparse[{"replicate", "efsdp"}],
@@ -224,15 +228,17 @@ RunRecord run(const Case& c, const RunSpec& spec) {
       names.push_back("tp");
     }
     fsdp::FullyShardOptions options;
-    options.mesh = fsdp::init_device_mesh("cpu", shape, names);
+    options.mesh = fsdp::init_device_mesh(spec.device.type(), shape, names);
     options.shard_dim = "shard";
     if (shape.size() > 1 && names[0] == "replicate") options.replicate_dim = "replicate";
     options.reshard_after_forward = spec.reshard_after_forward;
     roles.add(*options.mesh);
     model = tp > 1 ? c.build_tp((*options.mesh)["tp"], spec.tp) : c.build();
+    model->to(spec.device);
     units = c.shard(model, options);
   } else {
     model = c.build();
+    model->to(spec.device);
   }
   const auto cfg = c.config().at("optimizer");
   const auto betas = cfg.at("betas");

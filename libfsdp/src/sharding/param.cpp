@@ -129,7 +129,11 @@ at::Tensor ShardedParam::all_gather_input() {
     gather_input_ = at::empty(padded_.sizes(), padded_.options().dtype(param_dtype_).device(
                                                    compute_device_).pinned_memory(false));
   }
-  gather_input_.copy_(padded_);
+  // An offloaded shard is pinned on CUDA runs: its upload does not block the
+  // host, and the host waits for it before it next writes the shard.
+  const bool upload = compute_device_.is_cuda() && padded_.is_pinned();
+  gather_input_.copy_(padded_, /*non_blocking=*/upload);
+  if (upload) host_copies_.record(compute_device_, at::Tensor());
   return gather_input_.view({-1});
 }
 
@@ -281,6 +285,15 @@ void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main
     return;
   }
   at::Tensor existing = current_sharded_grad();
+  if (!existing.defined() && g.is_cuda() && padded_.is_pinned()) {
+    // Offloaded: into pinned memory without blocking (g, a temporary, is
+    // kept alive until the copy has run).
+    at::Tensor host = at::empty(g.sizes(), g.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(g, /*non_blocking=*/true);
+    host_copies_.record(g.device(), g);
+    set_grad(host);
+    return;
+  }
   set_grad(existing.defined() ? existing.add_(g.to(existing.device(), existing.scalar_type()))
                               : g.to(padded_.device()).clone());
 }
@@ -304,6 +317,7 @@ void ShardedParam::zero_grad() {
 }
 
 void ShardedParam::load_local(const at::Tensor& local_values) {
+  host_copies_.wait();  // an upload may still read the shard
   at::NoGradGuard no_grad;
   local_.copy_(local_values);
 }

@@ -6,6 +6,7 @@
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
 #include "runtime/torch_compat.h"
+#include "sharding/host_copy_fence.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
@@ -72,7 +73,8 @@ class ShardedParam {
 
   // ---- unshard ----
   // The all-gather input for this rank: the padded shard in param_dtype on the
-  // compute device (a cast copy into a reused buffer when needed).
+  // compute device (a cast copy into a reused buffer when needed; from an
+  // offloaded, pinned shard a non-blocking upload -- see wait_host_copies).
   at::Tensor all_gather_input();
   // The all-gather output buffer [shard_size * block] (regrown in place).
   at::Tensor all_gather_output();
@@ -108,7 +110,12 @@ class ShardedParam {
   const at::Tensor& unsynced_grad() const { return accumulated_grad_; }
   // Adds this rank's reduced block (reduce dtype; the full gradient for a
   // Replicate placement) to the sharded gradient, or to the fp32 main grad.
+  // With an offloaded, pinned shard and no gradient yet, a non-blocking
+  // download into a pinned gradient (see wait_host_copies).
   void add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad);
+  // Blocks until this parameter's non-blocking host copies (CPU offload on
+  // CUDA) have run: before the host reads its gradient or writes its shard.
+  void wait_host_copies() { host_copies_.wait(); }
   // A copy of the sharded gradient as installed now (undefined if none).
   at::Tensor sharded_grad_copy(bool fp32_main_grad) const;
   // Puts back a gradient taken by sharded_grad_copy.
@@ -137,6 +144,7 @@ class ShardedParam {
   int64_t block_numel_ = 0;
   std::vector<int64_t> moved_shape_;  // full shape with the shard dim first
 
+  HostCopyFence host_copies_;   // pinned uploads / downloads still in flight
   at::Tensor padded_;           // [chunk, rest] orig dtype: the shard's storage
   at::Tensor local_;            // owned rows in the original layout (view of padded_)
   at::Tensor gather_input_;     // param_dtype copy of padded_ (when dtypes/devices differ)

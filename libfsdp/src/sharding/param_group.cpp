@@ -371,10 +371,17 @@ void ParamGroup::finish_reduce() {
   wait_all(scatter_works_, "reduce-scatter wait");
   wait_all(all_reduce_works_, "all-reduce wait");
   install();
+  // One host wait for all of the group's offloaded gradients (queued back to
+  // back) rather than a blocking copy each.
+  wait_host_copies();
   entries_.clear();
   scatter_inputs_.clear();
   all_reduce_bufs_.clear();
   stage_ = Stage::None;
+}
+
+void ParamGroup::wait_host_copies() {
+  for (auto& p : params_) p.wait_host_copies();
 }
 
 void ParamGroup::drop_reduce() {

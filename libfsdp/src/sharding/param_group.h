@@ -71,6 +71,10 @@ class ParamGroup {
   // Waits for the reduction and adds the results to the sharded gradients
   // (only where some rank had a gradient).
   void finish_reduce();
+  // Blocks until the parameters' non-blocking host copies (CPU offload on
+  // CUDA) have run; finish_reduce ends with it, so installed gradients are
+  // readable and the shards writable.
+  void wait_host_copies();
   // A failed pass: waits for what is in flight and drops it.
   void drop_reduce();
   // Forgets sums kept back by steps that skipped the HSDP all-reduce (their

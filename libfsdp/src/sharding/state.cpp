@@ -274,7 +274,10 @@ void begin_forward_pass(UnitState& root) {
   // forward-only pass prefetched for units it did not run are dropped.
   finish_in_flight(c);
   drop_unused_prefetches(c);
-  for (auto& u : locked(c.order)) u->in_order = false;
+  for (auto& u : locked(c.order)) {
+    u->in_order = false;
+    for (auto& g : u->groups) g.wait_host_copies();
+  }
   c.order.clear();
   c.reduce_cursor = 0;
   c.phase = RootContext::Phase::Forward;
@@ -590,6 +593,13 @@ void UnitState::post_forward() {
   if (reshard_after_forward) reshard();
   if (is_root() && context().phase == detail::RootContext::Phase::Forward) {
     context().phase = detail::RootContext::Phase::ForwardDone;
+    // No backward follows a forward without grad: the shards' uploads (CPU
+    // offload on CUDA) must have run before the host may write them.
+    if (!at::GradMode::is_enabled()) {
+      for (auto& u : detail::locked(context().order)) {
+        for (auto& g : u->groups) g.wait_host_copies();
+      }
+    }
   }
 }
 

@@ -20,6 +20,7 @@
 #include <fsdp/fully_shard.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 
@@ -59,6 +60,11 @@ struct RunSpec {
   bool reshard_after_forward = true;
   TPSpec tp;  // FSDP only
   EPSpec ep;  // FSDP only, not with TP
+  // Where the model computes: built and its data drawn on the CPU (the same
+  // values everywhere), then moved here; the mesh is of this device type.
+  // DDP all-reduces through host copies. The cached references are Single
+  // runs on the CPU.
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 struct StepRecord {
