@@ -357,8 +357,9 @@ class DeviceMemory {
     }
 #ifdef FSDP_WITH_NCCL
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
-    const auto& bytes = stats.allocated_bytes[static_cast<size_t>(
-        c10::cuda::CUDACachingAllocator::StatType::AGGREGATE)];
+    // Entry 0 is StatType::AGGREGATE (all pools) in every 2.x; the enum
+    // itself moved from c10::cuda::CUDACachingAllocator to c10.
+    const auto& bytes = stats.allocated_bytes[0];
     return peak ? bytes.peak : bytes.current;
 #else
     return 0;

@@ -345,7 +345,14 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  spmd::g_runtime = std::make_unique<fsdp::Runtime>(&argc, &argv, options);
+  try {
+    spmd::g_runtime = std::make_unique<fsdp::Runtime>(&argc, &argv, options);
+  } catch (const std::exception& e) {
+    // Every rank reaches the same verdict (a GPU entry on a machine without
+    // one, two ranks on one GPU): a message and a failed run, not an abort.
+    std::cerr << "[spmd] cannot start the Runtime: " << e.what() << std::endl;
+    return 2;
+  }
   MPI_Comm_dup(MPI_COMM_WORLD, &spmd::g_harness_comm);
   spmd::g_watchdog = std::make_unique<spmd::Watchdog>();
 
