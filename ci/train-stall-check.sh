@@ -5,10 +5,16 @@
 # the library's watchdog ends the job within FSDP_TIMEOUT + 10 s, with a
 # non-zero exit status and a report naming the stuck collective.
 #
+# With FSDP_TRAIN_STALL_AT=<point>@<step> set (fsdp-train's test hook), the
+# last rank stops itself at that point instead, so the peers wait in a chosen
+# place (the driver's loss average, a checkpoint agreement) rather than
+# wherever the signal happens to land.
+#
 #   ci/train-stall-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
-# Env: MPIEXEC (default mpiexec), NP (default 2), FSDP_TIMEOUT (default 5).
-# CTest runs it as fsdp_train_stall_np2.
+# Env: MPIEXEC (default mpiexec), NP (default 2), FSDP_TIMEOUT (default 5),
+# FSDP_TRAIN_STALL_AT (unset). CTest runs it as fsdp_train_stall_np2 and
+# fsdp_train_stall_{optimizer,save}_np2.
 set -uo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
@@ -24,16 +30,31 @@ log="$work/job.log"
 job=$!
 fail() { echo "FAIL: $*"; cat "$log"; kill -9 "$job" 2>/dev/null; pkill -9 -P "$job" 2>/dev/null; exit 1; }
 
-for _ in $(seq 1 600); do  # up to 60 s for start-up and two steps
-  [ -f "$work/out/loss.csv" ] && [ "$(wc -l < "$work/out/loss.csv")" -ge 3 ] && break
-  kill -0 "$job" 2>/dev/null || fail "the job ended before training started"
-  sleep 0.1
-done
-[ "$(wc -l < "$work/out/loss.csv" 2>/dev/null || echo 0)" -ge 3 ] || fail "no two steps within 60 s"
-victim=$(pgrep -P "$job" -f "$(basename "$train")" | tail -n 1)
-[ -n "$victim" ] || fail "no rank process found under mpiexec (pid $job)"
-echo "== stopping rank process $victim (SIGSTOP); FSDP_TIMEOUT=$FSDP_TIMEOUT"
-kill -STOP "$victim"
+ranks() { pgrep -P "$job" -f "$(basename "$train")"; }
+if [ -n "${FSDP_TRAIN_STALL_AT:-}" ]; then
+  victim=""
+  for _ in $(seq 1 600); do  # up to 60 s for start-up and the hook's step
+    for pid in $(ranks); do
+      [[ "$(ps -o stat= -p "$pid" 2>/dev/null)" == T* ]] && victim=$pid
+    done
+    [ -n "$victim" ] && break
+    kill -0 "$job" 2>/dev/null || fail "the job ended before a rank stopped itself"
+    sleep 0.1
+  done
+  [ -n "$victim" ] || fail "no rank stopped itself within 60 s (FSDP_TRAIN_STALL_AT=$FSDP_TRAIN_STALL_AT)"
+  echo "== rank process $victim stopped itself (FSDP_TRAIN_STALL_AT=$FSDP_TRAIN_STALL_AT); FSDP_TIMEOUT=$FSDP_TIMEOUT"
+else
+  for _ in $(seq 1 600); do  # up to 60 s for start-up and two steps
+    [ -f "$work/out/loss.csv" ] && [ "$(wc -l < "$work/out/loss.csv")" -ge 3 ] && break
+    kill -0 "$job" 2>/dev/null || fail "the job ended before training started"
+    sleep 0.1
+  done
+  [ "$(wc -l < "$work/out/loss.csv" 2>/dev/null || echo 0)" -ge 3 ] || fail "no two steps within 60 s"
+  victim=$(ranks | tail -n 1)
+  [ -n "$victim" ] || fail "no rank process found under mpiexec (pid $job)"
+  echo "== stopping rank process $victim (SIGSTOP); FSDP_TIMEOUT=$FSDP_TIMEOUT"
+  kill -STOP "$victim"
+fi
 stopped=$SECONDS
 limit=$((FSDP_TIMEOUT + 10))
 while kill -0 "$job" 2>/dev/null; do

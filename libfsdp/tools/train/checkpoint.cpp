@@ -1,11 +1,12 @@
 #include "checkpoint.h"
 
+#include "test_hooks.h"
+
 #include <ATen/ops/empty.h>
 #include <fsdp/optim_state.h>
 #include <H5Cpp.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
-#include <mpi.h>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -43,14 +44,6 @@ struct Fault : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-std::string broadcast_string(std::string s, int root) {
-  int64_t n = static_cast<int64_t>(s.size());
-  MPI_Bcast(&n, 1, MPI_INT64_T, root, MPI_COMM_WORLD);
-  s.resize(static_cast<size_t>(n));
-  if (n > 0) MPI_Bcast(s.data(), static_cast<int>(n), MPI_CHAR, root, MPI_COMM_WORLD);
-  return s;
-}
-
 // The ranks' verdict on one step: 0 ok, 1 damaged (or failed), 2 written
 // with other numerics. Every rank passes its own; every rank gets the worst
 // code and the message of the lowest rank that has it.
@@ -59,22 +52,18 @@ struct Outcome {
   std::string message;
 };
 
-Outcome agree(const Outcome& mine) {
-  int worst = 0;
-  MPI_Allreduce(&mine.code, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+Outcome agree(const WorldComm& comm, const Outcome& mine) {
+  const auto worst = static_cast<int>(comm.max(mine.code));
   if (worst == 0) return {};
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  const int candidate = mine.code == worst ? rank : world;
-  int from = 0;
-  MPI_Allreduce(&candidate, &from, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return {worst, broadcast_string(mine.message, from)};
+  // The lowest rank with the worst code: the maximum of the negated ranks.
+  const int from = static_cast<int>(-comm.max(mine.code == worst ? -comm.rank() : -comm.size()));
+  return {worst, comm.broadcast(mine.message, from)};
 }
 
 // Save steps: a failure on any rank is a CheckpointError on every rank.
-void agree_or_throw(const std::string& local_error, const std::string& what) {
-  const Outcome o = agree({local_error.empty() ? 0 : 1, local_error});
+void agree_or_throw(const WorldComm& comm, const std::string& local_error,
+                    const std::string& what) {
+  const Outcome o = agree(comm, {local_error.empty() ? 0 : 1, local_error});
   if (o.code != 0) throw CheckpointError(what + ": " + o.message);
 }
 
@@ -92,42 +81,11 @@ const std::vector<std::string>& crash_points() {
   return points;
 }
 
-struct CrashSpec {
-  std::string point;  // "" = none
-  int64_t step = -1;  // -1 = the first save that reaches the point
-};
-
-// FSDP_TRAIN_CRASH_AT=<point>[@<step>]; the same environment on every rank,
-// so a bad value is a ConfigError on every rank.
-CrashSpec crash_spec() {
-  const char* env = std::getenv("FSDP_TRAIN_CRASH_AT");
-  if (env == nullptr || *env == '\0') return {};
-  const std::string text = env;
-  CrashSpec spec;
-  const auto at = text.find('@');
-  spec.point = text.substr(0, at);
-  bool ok = std::find(crash_points().begin(), crash_points().end(), spec.point) !=
-            crash_points().end();
-  if (ok && at != std::string::npos) {
-    try {
-      size_t used = 0;
-      spec.step = std::stoll(text.substr(at + 1), &used);
-      ok = used == text.size() - at - 1 && spec.step >= 0;
-    } catch (const std::exception&) {
-      ok = false;
-    }
-  }
-  if (!ok) {
-    throw ConfigError(fmt::format("FSDP_TRAIN_CRASH_AT={} (a test hook): expected <point>[@<step>] "
-                                  "with a point of {}",
-                                  text, fmt::join(crash_points(), ", ")));
-  }
-  return spec;
-}
+HookSpec crash_spec() { return read_hook("FSDP_TRAIN_CRASH_AT", crash_points()); }
 
 // Rank 0 dies here, as kill -9 would kill it, when the hook names this point.
-void crash_point(const CrashSpec& spec, const char* point, int64_t step, int rank) {
-  if (rank != 0 || spec.point != point || (spec.step >= 0 && spec.step != step)) return;
+void crash_point(const HookSpec& spec, const char* point, int64_t step, int rank) {
+  if (rank != 0 || !spec.matches(point, step)) return;
   std::cerr << fmt::format("fsdp-train: FSDP_TRAIN_CRASH_AT: SIGKILL of rank 0 after \"{}\" of "
                            "the save at step {}",
                            point, step)
@@ -544,9 +502,8 @@ LoadedCheckpoint read_verified(const std::string& dir, const std::string& label,
 // The directories --resume considers, in order: checkpoint/, then every
 // complete checkpoint.tmp-<step>/ newest first (a save that crashed after
 // its meta.json), then checkpoint.old/. Rank 0 lists them for everyone.
-std::vector<std::string> candidates(const std::string& out) {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+std::vector<std::string> candidates(const WorldComm& comm, const std::string& out) {
+  const int rank = comm.rank();
   nlohmann::json list = nlohmann::json::array({"checkpoint"});
   if (rank == 0) {
     std::vector<std::pair<int64_t, std::string>> tmps;
@@ -564,7 +521,7 @@ std::vector<std::string> candidates(const std::string& out) {
     for (const auto& [step, n] : tmps) list.push_back(n);
     if (fs::exists(out + "/checkpoint.old/meta.json")) list.push_back("checkpoint.old");
   }
-  const std::string text = broadcast_string(rank == 0 ? list.dump() : std::string(), 0);
+  const std::string text = comm.broadcast(rank == 0 ? list.dump() : std::string(), 0);
   return nlohmann::json::parse(text).get<std::vector<std::string>>();
 }
 
@@ -575,9 +532,10 @@ std::string checkpoint_dir(const std::string& out) { return out + "/checkpoint";
 void save_checkpoint(const std::string& out, int64_t step, const nlohmann::json& numerics,
                      const nlohmann::json& run,
                      const std::vector<std::pair<std::string, at::Tensor>>& shards,
-                     torch::optim::AdamW& opt, int rank, int world) {
+                     torch::optim::AdamW& opt, const WorldComm& comm) {
   H5::Exception::dontPrint();
-  const CrashSpec crash = crash_spec();
+  const int rank = comm.rank(), world = comm.size();
+  const HookSpec crash = crash_spec();
   const std::string final_dir = checkpoint_dir(out);
   const std::string tmp_name = "checkpoint.tmp-" + std::to_string(step);
   const std::string tmp = out + "/" + tmp_name;
@@ -593,7 +551,7 @@ void save_checkpoint(const std::string& out, int64_t step, const nlohmann::json&
       error = "cannot create " + tmp + ": " + e.what();
     }
   }
-  agree_or_throw(error, "checkpoint: cannot write step " + std::to_string(step));
+  agree_or_throw(comm, error, "checkpoint: cannot write step " + std::to_string(step));
   Manifest manifest;
   const std::string path = tmp + "/" + rank_name(rank);
   try {
@@ -607,13 +565,11 @@ void save_checkpoint(const std::string& out, int64_t step, const nlohmann::json&
   } catch (const std::exception& e) {
     error = "writing " + path + ": " + e.what();
   }
-  agree_or_throw(error, "checkpoint: cannot write step " + std::to_string(step));
+  agree_or_throw(comm, error, "checkpoint: cannot write step " + std::to_string(step));
 
   // Every rank's digest goes into meta.json.
   const std::string digest = manifest.digest();
-  std::vector<char> digests(rank == 0 ? digest.size() * static_cast<size_t>(world) : 0);
-  MPI_Gather(digest.data(), static_cast<int>(digest.size()), MPI_CHAR, digests.data(),
-             static_cast<int>(digest.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
+  const std::vector<std::string> digests = comm.all_gather(digest);
   if (rank == 0) {
     try {
       nlohmann::json meta = {{"format", kFormat}, {"step", step},         {"world", world},
@@ -621,7 +577,7 @@ void save_checkpoint(const std::string& out, int64_t step, const nlohmann::json&
       for (int r = 0; r < world; ++r) {
         meta["files"].push_back(
             {{"name", rank_name(r)},
-             {"digest", std::string(digests.data() + static_cast<size_t>(r) * digest.size(), digest.size())}});
+             {"digest", digests.at(static_cast<size_t>(r))}});
       }
       for (const auto& [name, shard] : shards) meta["parameters"].push_back(name);
       meta["checksum"] = meta_checksum(meta);
@@ -649,15 +605,16 @@ void save_checkpoint(const std::string& out, int64_t step, const nlohmann::json&
       error = e.what();
     }
   }
-  agree_or_throw(error, "checkpoint: cannot publish step " + std::to_string(step));
+  agree_or_throw(comm, error, "checkpoint: cannot publish step " + std::to_string(step));
 }
 
 LoadedCheckpoint resume_checkpoint(const std::string& out, const nlohmann::json& numerics,
                                    const std::vector<std::pair<std::string, at::Tensor>>& expected,
-                                   int rank, int world) {
+                                   const WorldComm& comm) {
   H5::Exception::dontPrint();
+  const int rank = comm.rank(), world = comm.size();
   std::vector<std::string> faults;  // "checkpoint/ is damaged (...)"
-  for (const std::string& name : candidates(out)) {
+  for (const std::string& name : candidates(comm, out)) {
     Outcome mine;
     LoadedCheckpoint ckpt;
     try {
@@ -669,7 +626,7 @@ LoadedCheckpoint resume_checkpoint(const std::string& out, const nlohmann::json&
     } catch (const std::exception& e) {
       mine = {1, e.what()};
     }
-    const Outcome all = agree(mine);
+    const Outcome all = agree(comm, mine);
     if (all.code == 2) throw ConfigError(all.message);
     if (all.code == 0) {
       if (!faults.empty()) {

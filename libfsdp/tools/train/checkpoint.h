@@ -41,12 +41,13 @@
 // first save that reaches it, or of the save at that training step), so
 // tests can crash a save at each step (ci/train-crash-check.sh).
 //
-// All functions here are collective over MPI_COMM_WORLD; a failure on any
-// rank fails on every rank with the same message instead of leaving the
-// others waiting.
+// All functions here are collective over the world (`comm`, watched like
+// every libfsdp collective); a failure on any rank fails on every rank with
+// the same message instead of leaving the others waiting.
 #pragma once
 
 #include "config.h"
+#include "world_comm.h"
 
 #include <ATen/core/Tensor.h>
 #include <nlohmann/json.hpp>
@@ -98,7 +99,7 @@ std::string checkpoint_dir(const std::string& out);
 void save_checkpoint(const std::string& out, int64_t step, const nlohmann::json& numerics,
                      const nlohmann::json& run,
                      const std::vector<std::pair<std::string, at::Tensor>>& shards,
-                     torch::optim::AdamW& opt, int rank, int world);
+                     torch::optim::AdamW& opt, const WorldComm& comm);
 
 struct AdamState {
   int64_t step = 0;
@@ -121,7 +122,7 @@ struct LoadedCheckpoint {
 // ConfigError if the checkpoint was written with other numerics.
 LoadedCheckpoint resume_checkpoint(const std::string& out, const nlohmann::json& numerics,
                                    const std::vector<std::pair<std::string, at::Tensor>>& expected,
-                                   int rank, int world);
+                                   const WorldComm& comm);
 
 // Installs the loaded AdamW state: `names[i]` names opt's i-th parameter.
 void load_optimizer_state(const LoadedCheckpoint& ckpt, const std::vector<std::string>& names,

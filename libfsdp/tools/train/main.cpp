@@ -25,7 +25,9 @@
 #include "pipeline.h"
 #include "plot.h"
 #include "progress.h"
+#include "test_hooks.h"
 #include "verify.h"
+#include "world_comm.h"
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/mesh.h>
@@ -40,6 +42,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
@@ -60,12 +63,15 @@ double seconds_since(Clock::time_point t0) {
 
 // The tp ranks of a data-parallel coordinate hold the same value, so the
 // mean over the world is the mean over the data-parallel ranks.
-double global_mean(double local) {
-  double sum = 0;
-  MPI_Allreduce(&local, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  return sum / world;
+double global_mean(const WorldComm& comm, double local) { return comm.sum(local) / comm.size(); }
+
+// FSDP_TRAIN_STALL_AT (test_hooks.h): the last rank stops itself here.
+void stall_point(const HookSpec& spec, const char* point, int64_t step, const WorldComm& comm) {
+  if (comm.rank() != comm.size() - 1 || !spec.matches(point, step)) return;
+  std::cerr << fmt::format("fsdp-train: FSDP_TRAIN_STALL_AT: SIGSTOP of rank {} at \"{}\" of step {}",
+                           comm.rank(), point, step)
+            << std::endl;
+  std::raise(SIGSTOP);
 }
 
 // The other ranks wait for rank 0's single-process run without spinning a
@@ -98,14 +104,19 @@ std::string abs_path(const std::string& p) {
 // routed to each in the last step's global batch (1 = perfectly balanced,
 // E / k = all to k experts). Collective over the world: every rank sees
 // different data.
-std::vector<double> expert_load(const std::vector<at::Tensor>& counts) {
+std::vector<double> expert_load(const WorldComm& comm, const std::vector<at::Tensor>& counts) {
   std::vector<double> out;
   for (const at::Tensor& c : counts) {
-    at::Tensor global = c.to(at::kCPU, at::kLong).clone(at::MemoryFormat::Contiguous);  // not in place
-    MPI_Allreduce(MPI_IN_PLACE, global.data_ptr<int64_t>(), static_cast<int>(global.numel()),
-                  MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-    const double mean = static_cast<double>(global.sum().item<int64_t>()) / global.numel();
-    out.push_back(mean > 0 ? static_cast<double>(global.max().item<int64_t>()) / mean : 0.0);
+    const at::Tensor local = c.to(at::kCPU, at::kLong).contiguous();
+    const int64_t* p = local.data_ptr<int64_t>();
+    const std::vector<int64_t> global = comm.sum(std::vector<int64_t>(p, p + local.numel()));
+    int64_t total = 0, most = 0;
+    for (const int64_t n : global) {
+      total += n;
+      most = std::max(most, n);
+    }
+    const double mean = global.empty() ? 0.0 : static_cast<double>(total) / global.size();
+    out.push_back(mean > 0 ? static_cast<double>(most) / mean : 0.0);
   }
   return out;
 }
@@ -178,6 +189,8 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const c10::Device device = train_device(rt, cfg);
   const auto mesh = cfg.pipelined() ? pipeline_mesh(cfg, device.type())
                                     : fsdp::init_device_mesh(device.type(), shape, dims);
+  const WorldComm world_comm;
+  const HookSpec stall = read_hook("FSDP_TRAIN_STALL_AT", {"optimizer", "save"});
   const int64_t dp_rank = (rank % (cfg.dp_size * cfg.tp)) / cfg.tp;
   int64_t n_params = 0;
   ShardedDecoder sharded;
@@ -204,7 +217,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
     // Verified on every rank (checksums, shapes against this rank's shards,
     // step, flags, NaN/Inf), agreed over the world; falls back to an older
     // complete checkpoint if checkpoint/ is missing or damaged.
-    LoadedCheckpoint ckpt = resume_checkpoint(cfg.out, numerics, local_state(sharded), rank, world);
+    LoadedCheckpoint ckpt = resume_checkpoint(cfg.out, numerics, local_state(sharded), world_comm);
     if (lead && !ckpt.fallback_note.empty()) std::cerr << ckpt.fallback_note << std::endl;
     load_local_state(sharded, ckpt.shards);
     load_optimizer_state(ckpt, names, opt);
@@ -278,9 +291,10 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
                           {"steps", cfg.steps}, {"checkpoint_every", cfg.checkpoint_every}}},
                         {"torch", TORCH_VERSION}};
   auto save = [&](int64_t step) {
+    stall_point(stall, "save", step, world_comm);
     run["written"] = now_utc();
     const auto t0 = Clock::now();
-    save_checkpoint(cfg.out, step, numerics, run, local_state(sharded), opt, rank, world);
+    save_checkpoint(cfg.out, step, numerics, run, local_state(sharded), opt, world_comm);
     if (lead) {
       std::cout << fmt::format("checkpoint: step {} -> {} ({:.2f}s)", step,
                                checkpoint_dir(cfg.out), seconds_since(t0))
@@ -314,13 +328,15 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
       norm = cfg.clip > 0 ? fsdp::clip_grad_norm_(params, cfg.clip)
                           : fsdp::total_grad_norm(params);
       opt.step();
-      mean_loss = global_mean(loss.item<double>());
+      stall_point(stall, "optimizer", step, world_comm);
+      mean_loss = global_mean(world_comm, loss.item<double>());
     }
     const double tok_s = progress.record(seconds_since(t0));
     const bool print = progress.should_log(step);
-    const MemoryPeak mem = print ? gather_peak_rss() : MemoryPeak{};
-    const std::vector<double> load =
-        print && cfg.moe ? expert_load(sharded.expert_counts()) : std::vector<double>{};
+    const MemoryPeak mem = print ? gather_peak_rss(world_comm) : MemoryPeak{};
+    const std::vector<double> load = print && cfg.moe
+                                         ? expert_load(world_comm, sharded.expert_counts())
+                                         : std::vector<double>{};
     if (lead) {
       log->add({step, mean_loss, norm, tok_s});
       if (print) std::cout << progress.line(step, mean_loss, mem, bubble, load) << std::endl;

@@ -1,7 +1,6 @@
 #include "progress.h"
 
 #include <fmt/format.h>
-#include <mpi.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -65,20 +64,13 @@ std::vector<LossRow> LossLog::read(const std::string& path) {
   return rows;
 }
 
-MemoryPeak gather_peak_rss() {
+MemoryPeak gather_peak_rss(const WorldComm& comm) {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
-  long kib = usage.ru_maxrss;  // KiB on Linux
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  std::vector<long> all(rank == 0 ? static_cast<size_t>(world) : 0);
-  MPI_Gather(&kib, 1, MPI_LONG, all.data(), 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  const std::vector<int64_t> all = comm.all_gather(static_cast<int64_t>(usage.ru_maxrss));  // KiB
   MemoryPeak m;
-  if (rank == 0) {
-    m.max_mib = static_cast<double>(*std::max_element(all.begin(), all.end())) / 1024.0;
-    m.min_mib = static_cast<double>(*std::min_element(all.begin(), all.end())) / 1024.0;
-  }
+  m.max_mib = static_cast<double>(*std::max_element(all.begin(), all.end())) / 1024.0;
+  m.min_mib = static_cast<double>(*std::min_element(all.begin(), all.end())) / 1024.0;
   return m;
 }
 

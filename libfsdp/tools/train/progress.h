@@ -13,6 +13,8 @@
 // the mean over the experts; 1 = balanced).
 #pragma once
 
+#include "world_comm.h"
+
 #include <cstdint>
 #include <fstream>
 #include <optional>
@@ -49,12 +51,12 @@ class LossLog {
   int64_t kept_ = 0;
 };
 
-// Peak resident set of every rank in MiB: {max, min} on rank 0 (collective
-// over MPI_COMM_WORLD; other ranks get {0, 0}).
+// Peak resident set over the ranks in MiB: {max, min} on every rank
+// (collective over the world).
 struct MemoryPeak {
   double max_mib = 0, min_mib = 0;
 };
-MemoryPeak gather_peak_rss();
+MemoryPeak gather_peak_rss(const WorldComm& comm);
 
 // "1m12s", "45s", "2h03m".
 std::string format_duration(double seconds);

@@ -1,0 +1,37 @@
+#include "test_hooks.h"
+
+#include "config.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace fsdp_train {
+
+HookSpec read_hook(const char* variable, const std::vector<std::string>& points) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr || *env == '\0') return {};
+  const std::string text = env;
+  HookSpec spec;
+  const auto at = text.find('@');
+  spec.point = text.substr(0, at);
+  bool ok = std::find(points.begin(), points.end(), spec.point) != points.end();
+  if (ok && at != std::string::npos) {
+    try {
+      size_t used = 0;
+      spec.step = std::stoll(text.substr(at + 1), &used);
+      ok = used == text.size() - at - 1 && spec.step >= 0;
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  if (!ok) {
+    throw ConfigError(fmt::format("{}={} (a test hook): expected <point>[@<step>] with a point of {}",
+                                  variable, text, fmt::join(points, ", ")));
+  }
+  return spec;
+}
+
+}  // namespace fsdp_train

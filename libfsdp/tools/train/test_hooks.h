@@ -1,0 +1,33 @@
+// fsdp-train's test hooks: environment variables the fault tests set to
+// make one rank misbehave at a named point of a step (README, "Test hooks").
+//
+//   FSDP_TRAIN_CRASH_AT=<point>[@<step>]  rank 0 SIGKILLs itself in a
+//       checkpoint save (points: checkpoint.cpp; ci/train-crash-check.sh)
+//   FSDP_TRAIN_STALL_AT=<point>[@<step>]  the last rank SIGSTOPs itself
+//       (points: "optimizer", after the optimizer step and before the
+//       loss is averaged; "save", before the checkpoint save's first
+//       agreement; ci/train-stall-check.sh)
+//
+// Every rank reads the same environment, so a bad value is a ConfigError
+// naming the variable and the accepted form on every rank.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp_train {
+
+struct HookSpec {
+  std::string point;  // "" = unset
+  int64_t step = -1;  // -1 = the first time the point is reached
+
+  bool matches(const char* at_point, int64_t at_step) const {
+    return point == at_point && (step < 0 || step == at_step);
+  }
+};
+
+// Reads `variable`; `points` are the names it accepts.
+HookSpec read_hook(const char* variable, const std::vector<std::string>& points);
+
+}  // namespace fsdp_train
