@@ -189,7 +189,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const c10::Device device = train_device(rt, cfg);
   const auto mesh = cfg.pipelined() ? pipeline_mesh(cfg, device.type())
                                     : fsdp::init_device_mesh(device.type(), shape, dims);
-  const WorldComm world_comm;
+  const WorldComm world_comm(world);
   const HookSpec stall = read_hook("FSDP_TRAIN_STALL_AT", {"optimizer", "save"});
   const int64_t dp_rank = (rank % (cfg.dp_size * cfg.tp)) / cfg.tp;
   int64_t n_params = 0;

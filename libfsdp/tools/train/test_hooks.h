@@ -5,7 +5,8 @@
 //       checkpoint save (points: checkpoint.cpp; ci/train-crash-check.sh)
 //   FSDP_TRAIN_STALL_AT=<point>[@<step>]  the last rank SIGSTOPs itself
 //       (points: "optimizer", after the optimizer step and before the
-//       loss is averaged; "save", before the checkpoint save's first
+//       loss is averaged, not reached with --pp, whose loss comes from the
+//       pipeline schedule; "save", before the checkpoint save's first
 //       agreement; ci/train-stall-check.sh)
 //
 // Every rank reads the same environment, so a bad value is a ConfigError

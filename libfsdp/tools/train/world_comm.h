@@ -20,7 +20,8 @@ namespace fsdp_train {
 class WorldComm {
  public:
   // Collective over MPI_COMM_WORLD: makes the group (fsdp::init_device_mesh).
-  WorldComm();
+  // world_size: the Runtime's.
+  explicit WorldComm(int world_size);
 
   int rank() const;
   int size() const;
