@@ -41,6 +41,10 @@ constexpr double kGradTol = 1e-5;     // fp32 grads / params vs single card
 constexpr double kReplicaTol = 1e-6;  // L1-02: replicas equal after all-reduce
 constexpr int64_t kRows = 8;          // global batch rows (divisible by 2 and 4)
 constexpr int64_t kMlpParams = 6;     // fc1, fc2, fc3: weight + bias each
+// All-gathers of one step with the default reshard_after_forward: fc1's and
+// fc2's units gather in forward and again in backward, the root (fc3's two
+// parameters) once.
+constexpr int64_t kMlpGathersPerStep = 2 * kMlpParams - 2;
 
 using ModulePtr = std::shared_ptr<torch::nn::Module>;
 
@@ -234,6 +238,20 @@ BOOST_AUTO_TEST_CASE(test_dynamic_reshard_control, *multi_rank()) {  // L1-01
   ag = step(103, "root-only raf=false", "fc3", false);
   BOOST_TEST(ag == 2 * 4 + 2, "root-only raf=false: all-gathers per step " << ag
                                                                            << ", expected 10");
+  // Unset (the default, FSDP2's None): every unit but the root reshards, so
+  // fc3 stays full from forward to backward -- and resharded after it.
+  BOOST_TEST(!fsdp::FullyShardOptions{}.reshard_after_forward.is_set());
+  m.root.set_reshard_after_forward(fsdp::ReshardAfterForward());
+  ag = step(104, "raf unset", "fc3", false);
+  BOOST_TEST(ag == kMlpGathersPerStep, "raf unset: all-gathers per step "
+                                           << ag << ", expected " << kMlpGathersPerStep);
+  {
+    // Without grad mode no backward follows: the root reshards as well.
+    at::NoGradGuard no_grad;
+    m.loss(mine(toy::global_batch(105, kRows)));
+    const std::string mis = numel_mismatch(m, "", false);
+    BOOST_TEST(mis.empty(), "raf unset, forward without grad: " << mis);
+  }
   m.root.set_reshard_after_forward(true);
 
   // reshard_after_backward=false: parameters stay full after backward.
@@ -754,8 +772,10 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_list_input, *multi_rank()) {  // L1-09
     fsdp::reset_collective_counters();
     toy::mse(fnet(b.x.to(spmd::device())), b.y.to(spmd::device())).backward();
     const int64_t ag = fsdp::collective_counters().total("all_gather");
-    BOOST_TEST(ag == 4, "fused list unit + root: all-gathers per step " << ag
-                                                                       << ", expected 4 (2 units x 2 passes)");
+    // The list unit gathers in forward and again in backward; the root
+    // keeps its parameters from forward to backward (the default).
+    BOOST_TEST(ag == 3, "fused list unit + root: all-gathers per step "
+                            << ag << ", expected 3 (the list unit twice, the root once)");
     rep.check("fused list: grads vs single card",
               l1::grad_err(*fused, *ref_grads(seed, {global}), ws, spmd::rank()), kGradTol);
   }
@@ -781,7 +801,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_none_mesh, *multi_rank()) {  // existing: 
   fsdp::reset_collective_counters();
   m.step(mine(global));
   const auto c = fsdp::collective_counters();
-  BOOST_TEST(c.total("all_gather", group) == 2 * kMlpParams);
+  BOOST_TEST(c.total("all_gather", group) == kMlpGathersPerStep);
   BOOST_TEST(c.total("reduce_scatter", group) == kMlpParams);
   BOOST_TEST(c.total("all_gather") == c.total("all_gather", group));
   rep.check("grads vs single card", grad_err(m, ref_grads(61, {global})), kGradTol);
@@ -802,7 +822,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_explicit_1d_mesh, *multi_rank()) {  // exi
   fsdp::reset_collective_counters();
   m.step(mine(global));
   const auto c = fsdp::collective_counters();
-  BOOST_TEST(c.total("all_gather", group) == 2 * kMlpParams);
+  BOOST_TEST(c.total("all_gather", group) == kMlpGathersPerStep);
   BOOST_TEST(c.total("reduce_scatter", group) == kMlpParams);
   BOOST_TEST(c.total("all_reduce") == 0);
   for (const auto& [name, dt] : m.root.sharded_parameters()) {
@@ -824,8 +844,8 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_2d_mesh,  // existing: HSDP 2-D mesh
   fsdp::reset_collective_counters();
   m.step(hsdp_mine(global));
   const auto c = fsdp::collective_counters();
-  BOOST_TEST(c.total("all_gather", h.shard_group) == 2 * kMlpParams);
-  BOOST_TEST(c.total("all_gather") == 2 * kMlpParams);
+  BOOST_TEST(c.total("all_gather", h.shard_group) == kMlpGathersPerStep);
+  BOOST_TEST(c.total("all_gather") == kMlpGathersPerStep);
   BOOST_TEST(c.total("reduce_scatter", h.shard_group) == kMlpParams);
   BOOST_TEST(c.total("all_reduce", h.replicate_group) == kMlpParams);
   for (const auto& [name, dt] : m.root.sharded_parameters()) {
@@ -996,8 +1016,10 @@ BOOST_AUTO_TEST_CASE(test_backward_prefetch_order, *multi_rank()) {  // existing
                                         << "finished (#" << done << "): " << l1::describe_sequence(bwd));
       }
     }
-    BOOST_TEST(bwd.total("all_gather") == 5, mode << ": backward all-gathers "
-                                                  << bwd.total("all_gather") << ", expected 5");
+    // The three blocks re-gather; the root keeps its parameters from
+    // forward (reshard_after_forward unset, the default).
+    BOOST_TEST(bwd.total("all_gather") == 3, mode << ": backward all-gathers "
+                                                  << bwd.total("all_gather") << ", expected 3");
     rep.check(mode + ": grads vs single card", chain_grad_err(c, seed, global), kGradTol);
   }
   rep.publish();
@@ -1006,7 +1028,11 @@ BOOST_AUTO_TEST_CASE(test_backward_prefetch_order, *multi_rank()) {  // existing
 BOOST_AUTO_TEST_CASE(test_set_is_last_backward, *multi_rank()) {  // existing
   l1::Report rep("is_last_backward");
   const int64_t seed = 68;
-  l1::ShardedMlp m(seed, {});
+  // The checks read the sharded gradients between a forward and its
+  // backward, so the root must reshard after forward too.
+  fsdp::FullyShardOptions o;
+  o.reshard_after_forward = true;
+  l1::ShardedMlp m(seed, o);
   const auto g1 = toy::global_batch(681, kRows), g2 = toy::global_batch(682, kRows),
              g3 = toy::global_batch(683, kRows);
 

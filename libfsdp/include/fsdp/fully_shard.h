@@ -83,7 +83,8 @@ class FSDPModule {
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
   // HSDP only matters: false skips the all-reduce over the replicate dim.
   void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
-  void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
+  // A bool, or ReshardAfterForward() for the default (every unit but the root).
+  void set_reshard_after_forward(ReshardAfterForward reshard_after_forward, bool recurse = true);
   // false keeps the parameters full after backward; their sharded gradients
   // reach param.grad() at the next reshard(), so call reshard() before the
   // optimizer steps.

@@ -84,6 +84,32 @@ struct DistributedParam {
   std::vector<Placement> grad_placements;
 };
 
+// Whether a unit frees its unsharded parameters after forward (FSDP2's
+// reshard_after_forward: True, False or None). Converts from bool, so
+// `options.reshard_after_forward = false` reads as before; it does not
+// convert back, since an unset value means "depends on the unit".
+class ReshardAfterForward {
+ public:
+  // Unset: every unit but the root reshards. The root's parameters would be
+  // all-gathered again at once for backward, so it keeps them until its
+  // post-backward; a root forward without grad mode (no backward follows)
+  // reshards all the same.
+  constexpr ReshardAfterForward() = default;
+  constexpr ReshardAfterForward(bool reshard) : value_(reshard) {}  // NOLINT: the plan's bool API
+  constexpr bool is_set() const { return value_.has_value(); }
+  // The explicit choice; std::nullopt when unset.
+  constexpr std::optional<bool> value() const { return value_; }
+  friend constexpr bool operator==(ReshardAfterForward a, ReshardAfterForward b) {
+    return a.value_ == b.value_;
+  }
+  friend constexpr bool operator!=(ReshardAfterForward a, ReshardAfterForward b) {
+    return !(a == b);
+  }
+
+ private:
+  std::optional<bool> value_;
+};
+
 struct FullyShardOptions {
   // FSDP's mesh. 1-D = FSDP, 2-D (replicate, shard) = HSDP; with more dims
   // (e.g. (replicate, shard, tp)) shard_dim (and replicate_dim) name FSDP's
@@ -96,8 +122,10 @@ struct FullyShardOptions {
   // "shard" and "replicate" if it has them, else needs shard_dim.
   std::optional<std::string> shard_dim;
   std::optional<std::string> replicate_dim;
-  // Free the unsharded parameters after forward (and re-gather for backward).
-  bool reshard_after_forward = true;
+  // Free the unsharded parameters after forward (and re-gather for
+  // backward). Default unset: true for every unit but the root (see
+  // ReshardAfterForward).
+  ReshardAfterForward reshard_after_forward;
   ShardPlacementFn shard_placement_fn;
   MixedPrecisionPolicy mp_policy;
   std::optional<CPUOffloadPolicy> offload_policy;

@@ -591,7 +591,7 @@ void FSDPModule::set_requires_gradient_sync(bool v, bool recurse) {
 void FSDPModule::set_requires_all_reduce(bool v, bool recurse) {
   for_units(unit(), recurse, [v](UnitState& u) { u.requires_all_reduce = v; });
 }
-void FSDPModule::set_reshard_after_forward(bool v, bool recurse) {
+void FSDPModule::set_reshard_after_forward(ReshardAfterForward v, bool recurse) {
   for_units(unit(), recurse, [v](UnitState& u) { u.reshard_after_forward = v; });
 }
 void FSDPModule::set_reshard_after_backward(bool v, bool recurse) {

@@ -36,7 +36,7 @@ std::vector<UnitRef> unshard_for_grad_edges(const std::vector<at::Tensor>& param
 
 void reshard_as_after_forward(const std::vector<UnitRef>& units) {
   for (const auto& unit : units) {
-    if (unit->unsharded() && unit->reshard_after_forward) unit->reshard();
+    if (unit->unsharded() && unit->reshards_after_forward()) unit->reshard();
   }
 }
 

@@ -467,6 +467,11 @@ std::shared_ptr<UnitState> UnitState::root() {
 
 bool UnitState::is_root() { return root().get() == this; }
 
+bool UnitState::reshards_after_forward() {
+  if (const auto v = reshard_after_forward.value()) return *v;
+  return !(at::GradMode::is_enabled() && is_root());
+}
+
 void UnitState::register_label() {
   const uint64_t gen = detail::registry().generation;
   if (registered_label_generation_ == gen) return;
@@ -590,7 +595,7 @@ void UnitState::post_forward() {
   // A recompute inside backward (activation checkpointing) needs the full
   // parameters for the backward that follows; post_backward reshards.
   if (detail::RecomputeGuard::active()) return;
-  if (reshard_after_forward) reshard();
+  if (reshards_after_forward()) reshard();
   if (is_root() && context().phase == detail::RootContext::Phase::Forward) {
     context().phase = detail::RootContext::Phase::ForwardDone;
     // No backward follows a forward without grad: the shards' uploads (CPU

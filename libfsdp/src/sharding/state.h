@@ -58,7 +58,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   MixedPrecisionPolicy mp;
 
   // Settings (FSDPModule setters).
-  bool reshard_after_forward;
+  ReshardAfterForward reshard_after_forward;
   bool reshard_after_backward = true;
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;
@@ -97,6 +97,8 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   detail::RootContext& context();
   std::shared_ptr<UnitState> root();
   bool is_root();
+  // reshard_after_forward resolved for this unit and the current grad mode.
+  bool reshards_after_forward();
   bool unsharded() const;
 
   void unshard(bool async_op);

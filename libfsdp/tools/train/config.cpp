@@ -242,12 +242,13 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   app.add_option("--reshard-after-forward", cfg.reshard_after_forward,
-                 "free the gathered parameters after forward (true|false); with --pp the "
-                 "default is false: each stage's layers stay gathered across the step's "
-                 "microbatches (one all-gather per layer per step), true re-gathers them for "
-                 "each microbatch")
+                 "free the gathered parameters after forward (true|false); default: every "
+                 "unit but the root, whose parameters backward needs at once (FSDP2's "
+                 "default); with --pp the default is false: each stage's layers stay gathered "
+                 "across the step's microbatches (one all-gather per layer per step), true "
+                 "re-gathers them for each microbatch")
       ->each([&cfg](const std::string&) { cfg.reshard_after_forward_given = true; })
-      ->capture_default_str();
+      ->default_str("all but the root");
   app.add_option("--ac", cfg.ac, "activation checkpointing of the decoder layers: none|all|every-2")
       ->check(CLI::IsMember({"none", "all", "every-2"}))
       ->capture_default_str();

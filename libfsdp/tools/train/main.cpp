@@ -228,9 +228,9 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const int64_t tokens_per_step = cfg.batch * cfg.seq;
   if (lead) {
     const std::string reshard =
-        cfg.pipelined() && !cfg.reshard_after_forward_given
-            ? std::string("false (the pipeline's default: gathered across microbatches)")
-            : fmt::format("{}", cfg.reshard_after_forward);
+        cfg.reshard_after_forward_given ? fmt::format("{}", cfg.reshard_after_forward)
+        : cfg.pipelined() ? std::string("false (the pipeline's default: gathered across microbatches)")
+                          : std::string("every unit but the root (the default)");
     const std::string experts =
         cfg.moe ? fmt::format(" (odd ones MoE: {} SwiGLU experts of ffn {}, top-{})", cfg.experts,
                               moe_decoder_config(cfg).expert_dim(), cfg.top_k)
@@ -287,7 +287,10 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
                           {"schedule", cfg.schedule}, {"stages_per_rank", cfg.stages_per_rank},
                           {"microbatches", cfg.microbatches}, {"moe", cfg.moe},
                           {"experts", cfg.experts}, {"top_k", cfg.top_k}, {"ep", cfg.ep},
-                          {"reshard_after_forward", cfg.reshard_after_forward}, {"ac", cfg.ac},
+                          {"reshard_after_forward", cfg.reshard_after_forward_given
+                                                        ? nlohmann::json(cfg.reshard_after_forward)
+                                                        : nlohmann::json("default")},
+                          {"ac", cfg.ac},
                           {"steps", cfg.steps}, {"checkpoint_every", cfg.checkpoint_every}}},
                         {"torch", TORCH_VERSION}};
   auto save = [&](int64_t step) {

@@ -62,7 +62,8 @@ fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::Device
   // Named, since a (shard, tp) mesh would otherwise read as (replicate, shard).
   options.shard_dim = "shard";
   if (cfg.hsdp()) options.replicate_dim = "replicate";
-  options.reshard_after_forward = cfg.reshard_after_forward;
+  // Unset unless given: FSDP2's default, every unit but the root.
+  if (cfg.reshard_after_forward_given) options.reshard_after_forward = cfg.reshard_after_forward;
   if (cfg.bf16()) {
     options.mp_policy.param_dtype = at::kBFloat16;
     options.mp_policy.reduce_dtype = at::kFloat;
