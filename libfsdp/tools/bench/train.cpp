@@ -58,7 +58,7 @@ namespace fsdp_bench {
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
-// Targets of the project: FSDP (reshard_after_forward=true) within 5% of
+// Targets of the project: FSDP (the default reshard_after_forward) within 5% of
 // DDP's step time at 2 ranks, and its persistent memory per rank within 2%
 // of an ideal 1/N split of the single-process state.
 constexpr double kStepTarget = 1.05;
@@ -178,12 +178,12 @@ struct Options {
   std::string json_path;
   std::string device = "cpu";  // cpu | cuda (single and fsdp* configs only)
   c10::Device resolved_device{c10::kCPU};
-  // fsdp, fsdp-no-reshard, fsdp-fused: MixedPrecisionPolicy param_dtype
+  // fsdp, fsdp-reshard-all, fsdp-no-reshard, fsdp-fused, hsdp: MixedPrecisionPolicy param_dtype
   // (reduce_dtype float32); the other configs stay float32.
   std::string param_dtype = "float32";
 };
 
-enum class Kind { Single, Ddp, Fsdp, FsdpTp, FsdpPp, FsdpEp };
+enum class Kind { Single, Ddp, Fsdp, Hsdp, FsdpTp, FsdpPp, FsdpEp };
 
 // The expert-parallel config's MoE layers (models::MoEDecoder's defaults).
 constexpr int64_t kExperts = 4, kTopK = 2;
@@ -191,7 +191,7 @@ constexpr int64_t kExperts = 4, kTopK = 2;
 struct ConfigSpec {
   std::string key;
   Kind kind;
-  bool reshard_after_forward;
+  fsdp::ReshardAfterForward reshard_after_forward;
   bool comm_fusion;
   std::string legend;
   models::TPOptions tp{};  // FsdpTp only
@@ -210,10 +210,16 @@ const std::vector<ConfigSpec>& all_configs() {
        "full replica per rank, batch/N each; after backward all gradients are copied into one "
        "flat bucket, summed by ONE MPI_Allreduce and divided by N; no libfsdp code; does NOT "
        "overlap communication with backward"},
-      {"fsdp", Kind::Fsdp, true, false,
-       "fully_shard each decoder layer then the root, reshard_after_forward=true"},
+      {"fsdp", Kind::Fsdp, {}, false,
+       "fully_shard each decoder layer then the root, reshard_after_forward unset (the "
+       "default, FSDP2's: every unit but the root reshards after forward)"},
+      {"fsdp-reshard-all", Kind::Fsdp, true, false,
+       "as fsdp, reshard_after_forward=true (the root too: one more all-gather per step)"},
       {"fsdp-no-reshard", Kind::Fsdp, false, false, "as fsdp, reshard_after_forward=false"},
-      {"fsdp-fused", Kind::Fsdp, true, true, "as fsdp, comm_fusion=true"},
+      {"fsdp-fused", Kind::Fsdp, {}, true, "as fsdp, comm_fusion=true"},
+      {"hsdp", Kind::Hsdp, {}, false,
+       "as fsdp on a (replicate = ranks / 2, shard = 2) mesh: sharded over pairs of ranks, "
+       "gradients all-reduced across the pairs"},
       {"fsdp-tp", Kind::FsdpTp, true, false,
        "models::TPDecoder (Megatron column/row-parallel layers, vocab-parallel tied "
        "embedding; the same initial weights, sliced) over tp on a (shard, tp) mesh, then as "
@@ -299,7 +305,9 @@ class Trainer {
     fo.shard_dim = "shard";
     fo.reshard_after_forward = spec.reshard_after_forward;
     fo.comm_fusion = spec.comm_fusion;
-    if (spec.kind == Kind::Fsdp && o.param_dtype == "bfloat16") {
+    if (spec.kind == Kind::Hsdp) fo.replicate_dim = "replicate";
+    const bool data_parallel_fsdp = spec.kind == Kind::Fsdp || spec.kind == Kind::Hsdp;
+    if (data_parallel_fsdp && o.param_dtype == "bfloat16") {
       // FSDP2's usual CPU/GPU mixed precision: bf16 all-gathers and compute,
       // fp32 gradient reduction and optimizer state.
       fo.mp_policy.param_dtype = at::kBFloat16;
@@ -323,7 +331,7 @@ class Trainer {
     } else {
       // Not sharded (single, ddp): Sharded simply forwards.
       fsdp::Sharded<models::Decoder> net =
-          spec.kind == Kind::Fsdp ? shard_decoder(decoder, fo, o.forward_prefetch)
+          data_parallel_fsdp ? shard_decoder(decoder, fo, o.forward_prefetch)
                                   : fsdp::Sharded<models::Decoder>(decoder);
       loss_ = [net](const at::Tensor& inputs, const at::Tensor& targets) mutable {
         return models::lm_loss(net(inputs), targets);
@@ -626,7 +634,9 @@ int run(Options o, const fsdp::Runtime& rt) {
   if (o.device == "cuda") {
     // DDP's MPI_Allreduce and the TP, pipeline and expert-parallel configs
     // build CPU meshes; on a GPU the run compares single with the fsdp ones.
-    auto cpu_only = [](const ConfigSpec& s) { return s.kind != Kind::Single && s.kind != Kind::Fsdp; };
+    auto cpu_only = [](const ConfigSpec& s) {
+      return s.kind != Kind::Single && s.kind != Kind::Fsdp && s.kind != Kind::Hsdp;
+    };
     std::vector<std::string> named;
     for (const ConfigSpec& s : specs) {
       if (cpu_only(s) && !o.configs.empty()) named.push_back(s.key);
@@ -638,7 +648,7 @@ int run(Options o, const fsdp::Runtime& rt) {
                         TORCH_VERSION);
     } else if (!named.empty()) {
       bad = fmt::format("--configs {}: CPU only; with --device cuda: single, fsdp, "
-                        "fsdp-no-reshard, fsdp-fused",
+                        "fsdp-reshard-all, fsdp-no-reshard, fsdp-fused, hsdp",
                         fmt::join(named, ","));
     }
     if (!bad.empty()) {
@@ -648,48 +658,41 @@ int run(Options o, const fsdp::Runtime& rt) {
     specs.erase(std::remove_if(specs.begin(), specs.end(), cpu_only), specs.end());
     o.resolved_device = rt.device();
   }
+  // Drops the configs of `kind` when `fits` is false, and says why ("" when
+  // nothing was dropped); returns whether any config of `kind` is left.
+  auto drop_unless = [&specs](Kind kind, bool fits, const std::string& why, std::string& skipped) {
+    auto of_kind = [kind](const ConfigSpec& s) { return s.kind == kind; };
+    if (!fits) {
+      for (const ConfigSpec& s : specs) {
+        if (of_kind(s)) skipped += (skipped.empty() ? "" : ", ") + s.key;
+      }
+      if (!skipped.empty()) skipped += " skipped: " + why;
+      specs.erase(std::remove_if(specs.begin(), specs.end(), of_kind), specs.end());
+    }
+    return std::any_of(specs.begin(), specs.end(), of_kind);
+  };
+  const auto default_needs_even = [world](const char* flag) {
+    return fmt::format("the default {} 2 needs an even world size, not {}", flag, world);
+  };
   const int tp = o.tp > 0 ? o.tp : 2;
   auto is_tp = [](const ConfigSpec& s) { return s.kind == Kind::FsdpTp; };
-  std::string tp_skipped;
-  if (o.tp == 0 && world % tp != 0) {
-    for (const ConfigSpec& s : specs) {
-      if (is_tp(s)) tp_skipped += (tp_skipped.empty() ? "" : ", ") + s.key;
-    }
-    if (!tp_skipped.empty()) {
-      tp_skipped += fmt::format(" skipped: the default --tp 2 needs an even world size, not {}",
-                                world);
-    }
-    specs.erase(std::remove_if(specs.begin(), specs.end(), is_tp), specs.end());
-  }
-  const bool any_tp = std::any_of(specs.begin(), specs.end(), is_tp);
+  std::string tp_skipped, pp_skipped, ep_skipped, hsdp_skipped;
+  const bool any_tp =
+      drop_unless(Kind::FsdpTp, o.tp > 0 || world % tp == 0, default_needs_even("--tp"), tp_skipped);
   const int pp = o.pp > 0 ? o.pp : 2;
   auto is_pp = [](const ConfigSpec& s) { return s.kind == Kind::FsdpPp; };
-  std::string pp_skipped;
-  if (o.pp == 0 && world % pp != 0) {
-    for (const ConfigSpec& s : specs) {
-      if (is_pp(s)) pp_skipped += (pp_skipped.empty() ? "" : ", ") + s.key;
-    }
-    if (!pp_skipped.empty()) {
-      pp_skipped += fmt::format(" skipped: the default --pp 2 needs an even world size, not {}",
-                                world);
-    }
-    specs.erase(std::remove_if(specs.begin(), specs.end(), is_pp), specs.end());
-  }
-  const bool any_pp = std::any_of(specs.begin(), specs.end(), is_pp);
+  const bool any_pp =
+      drop_unless(Kind::FsdpPp, o.pp > 0 || world % pp == 0, default_needs_even("--pp"), pp_skipped);
   const int ep = o.ep > 0 ? o.ep : 2;
   auto is_ep = [](const ConfigSpec& s) { return s.kind == Kind::FsdpEp; };
-  std::string ep_skipped;
-  if (o.ep == 0 && world % ep != 0) {
-    for (const ConfigSpec& s : specs) {
-      if (is_ep(s)) ep_skipped += (ep_skipped.empty() ? "" : ", ") + s.key;
-    }
-    if (!ep_skipped.empty()) {
-      ep_skipped += fmt::format(" skipped: the default --ep 2 needs an even world size, not {}",
-                                world);
-    }
-    specs.erase(std::remove_if(specs.begin(), specs.end(), is_ep), specs.end());
-  }
-  const bool any_ep = std::any_of(specs.begin(), specs.end(), is_ep);
+  const bool any_ep =
+      drop_unless(Kind::FsdpEp, o.ep > 0 || world % ep == 0, default_needs_even("--ep"), ep_skipped);
+  // HSDP needs at least two replicas of a 2-rank shard group.
+  const bool any_hsdp = drop_unless(
+      Kind::Hsdp, world % 2 == 0 && world >= 4,
+      fmt::format("a (replicate, shard = 2) mesh needs an even world size of 4 or more, not {}",
+                  world),
+      hsdp_skipped);
   // The pipelines' data-parallel size, batch and microbatches.
   const int pp_dp = world % pp == 0 ? world / pp : 1;
   const int pp_local_batch = o.batch / pp_dp;
@@ -744,7 +747,7 @@ int run(Options o, const fsdp::Runtime& rt) {
       "{} warm-up; seed {}",
       cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.ffn_dim(), cfg.seq,
       o.param_dtype == "float32" ? std::string("float32")
-                                 : "fsdp/fsdp-no-reshard/fsdp-fused " + o.param_dtype +
+                                 : "fsdp*/hsdp " + o.param_dtype +
                                        " parameters with float32 reduction, the rest float32",
       o.batch, cfg.seq,
       o.lr, o.timing.iters, o.timing.warmup, o.seed));
@@ -759,7 +762,7 @@ int run(Options o, const fsdp::Runtime& rt) {
   report.meta("param_dtype", o.param_dtype,
               o.param_dtype == "float32"
                   ? ""
-                  : "fsdp, fsdp-no-reshard, fsdp-fused: MixedPrecisionPolicy param_dtype " +
+                  : "fsdp*, hsdp (not tp/pp/ep): MixedPrecisionPolicy param_dtype " +
                         o.param_dtype + ", reduce_dtype float32; every other config float32");
   report.meta("forward_prefetch", o.forward_prefetch,
               o.forward_prefetch ? "FSDP configs: explicit forward prefetch of the next unit"
@@ -784,6 +787,10 @@ int run(Options o, const fsdp::Runtime& rt) {
                                    "top-{}",
                                    world / ep, ep, kExperts, kTopK)
                      : ep_skipped);
+  report.meta("hsdp", any_hsdp ? nlohmann::json({{"replicate", world / 2}, {"shard", 2}})
+                               : nlohmann::json(nullptr),
+              any_hsdp ? fmt::format("hsdp: mesh (replicate={}, shard=2)", world / 2)
+                       : hsdp_skipped);
   for (const ConfigSpec& s : specs) report.note(fmt::format("{:>19}: {}", s.key, s.legend));
   report.note("step: zero_grad + forward + loss + backward (+ DDP all-reduce) + AdamW step; "
               "each step after a barrier; time = slowest rank; configs interleaved step by "
@@ -822,6 +829,11 @@ int run(Options o, const fsdp::Runtime& rt) {
     mesh = fsdp::init_device_mesh(o.resolved_device.type(), {world}, {"shard"});
   }
   if (any_tp) tp_mesh = fsdp::init_device_mesh("cpu", {world / tp, tp}, {"shard", "tp"});
+  std::optional<fsdp::DeviceMesh> hsdp_mesh;
+  if (any_hsdp) {
+    hsdp_mesh = fsdp::init_device_mesh(o.resolved_device.type(), {world / 2, 2},
+                                       {"replicate", "shard"});
+  }
   std::optional<fsdp::DeviceMesh> pp_mesh, pp_world, ep_mesh;
   if (any_pp) {
     pp_mesh = fsdp::init_device_mesh("cpu", {pp, pp_dp}, {"pp", "dp"});
@@ -835,6 +847,7 @@ int run(Options o, const fsdp::Runtime& rt) {
         is_tp(specs[i])   ? tp_mesh
         : is_pp(specs[i]) ? pp_mesh
         : is_ep(specs[i]) ? ep_mesh
+        : specs[i].kind == Kind::Hsdp ? hsdp_mesh
                           : mesh,
         comm));
   }
@@ -998,7 +1011,7 @@ int run(Options o, const fsdp::Runtime& rt) {
     const bool applies = world == kStepTargetWorld;
     report.summary("step_ratio_fsdp_vs_ddp", r);
     report.summary("step_target_met", applies ? nlohmann::json(r <= kStepTarget) : nullptr,
-                   fmt::format("target FSDP (reshard_after_forward=true) step <= {:.2f}x DDP at "
+                   fmt::format("target FSDP (default reshard_after_forward) step <= {:.2f}x DDP at "
                                "np {}: {:.3f}x -> {}",
                                kStepTarget, kStepTargetWorld, r,
                                !applies ? "n/a at this world size"
@@ -1045,7 +1058,8 @@ int run(Options o, const fsdp::Runtime& rt) {
     std::string text;
     bool fsdp_met = true;
     for (size_t i = 0; i < n; ++i) {
-      if (specs[i].kind != Kind::Fsdp && specs[i].kind != Kind::FsdpTp) continue;
+      const Kind k = specs[i].kind;
+      if (k != Kind::Fsdp && k != Kind::Hsdp && k != Kind::FsdpTp) continue;
       const double r = static_cast<double>(mem[i * 6]) / ideal_share;
       per[specs[i].key] = r;
       fsdp_met = fsdp_met && r <= kMemoryTarget;
@@ -1150,7 +1164,7 @@ void add_train_command(CLI::App& app, Command& chosen) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   sub->add_option("--param-dtype", o->param_dtype,
-                  "fsdp, fsdp-no-reshard, fsdp-fused: all-gather and compute dtype "
+                  "fsdp, fsdp-reshard-all, fsdp-no-reshard, fsdp-fused, hsdp: all-gather and compute dtype "
                   "(MixedPrecisionPolicy param_dtype; gradients reduced in float32); the other "
                   "configs stay float32")
       ->check(CLI::IsMember({"float32", "bfloat16"}))
