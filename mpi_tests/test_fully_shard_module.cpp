@@ -948,13 +948,27 @@ BOOST_AUTO_TEST_CASE(test_forward_prefetch_order, *multi_rank()) {  // existing
   const int64_t seed = 66;
   const auto global = chain_batch(661);
   const auto b = mine(global);
-  for (bool prefetch : {false, true}) {
-    const std::string tag = prefetch ? "with forward prefetch" : "without prefetch";
+  // "first step": no previous forward to learn the order from, so nothing
+  // is prefetched; "explicit": b0 -> b1 -> b2; "implicit": the default from
+  // the second step on (the unit that ran next in the previous step);
+  // "disabled": explicit empty lists, second step.
+  for (const std::string tag : {"first step", "explicit", "implicit", "disabled"}) {
     ShardedChain c(seed);
-    if (prefetch) {
+    if (tag == "explicit") {
       c.u[0].set_modules_to_forward_prefetch({c.u[1]});
       c.u[1].set_modules_to_forward_prefetch({c.u[2]});
     }
+    if (tag == "implicit" || tag == "disabled") {
+      if (tag == "disabled") {
+        for (auto& u : c.u) u.set_modules_to_forward_prefetch({});
+        c.root.set_modules_to_forward_prefetch({});
+      }
+      // A first step (forward and backward) teaches the forward order; its
+      // gradients are dropped so the checked step is the same as the others.
+      c.loss(b).backward();
+      c.root.zero_grad();
+    }
+    const bool prefetch = tag == "explicit" || tag == "implicit";
     fsdp::reset_collective_counters();
     at::Tensor loss = c.loss(b);
     const auto fwd = fsdp::collective_counters();

@@ -649,6 +649,7 @@ std::vector<std::weak_ptr<UnitState>> FSDPModule::prefetch_units(
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
   auto list = prefetch_units(modules, "set_modules_to_forward_prefetch");
   unit().forward_prefetch = std::move(list);
+  unit().explicit_forward_prefetch = true;
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {

@@ -278,6 +278,7 @@ void begin_forward_pass(UnitState& root) {
     u->in_order = false;
     for (auto& g : u->groups) g.wait_host_copies();
   }
+  if (!c.order.empty()) c.previous_order = std::move(c.order);
   c.order.clear();
   c.reduce_cursor = 0;
   c.phase = RootContext::Phase::Forward;
@@ -566,8 +567,25 @@ void UnitState::pre_forward() {
   ++forward_entries;
   wait_unshard();
   if (recompute) return;
-  for (auto& weak : forward_prefetch) {
-    if (auto u = weak.lock()) detail::prefetch(c, *u);
+  if (explicit_forward_prefetch) {
+    for (auto& weak : forward_prefetch) {
+      if (auto u = weak.lock()) detail::prefetch(c, *u);
+    }
+    return;
+  }
+  // Implicit prefetch: the unit that ran forward after this one in the
+  // previous pass gathers while this one computes, instead of at its own
+  // pre-forward, where the caller would wait for it. The order is the
+  // model's, the same on every rank, so every rank issues the same gathers;
+  // a guess that proves wrong is dropped like any unused prefetch.
+  const auto& previous = c.previous_order;
+  for (size_t i = 0; i + 1 < previous.size(); ++i) {
+    if (previous[i].lock().get() != this) continue;
+    auto next = previous[i + 1].lock();
+    if (next && next.get() != this && !next->in_order && !next->unsharded()) {
+      detail::prefetch(c, *next);
+    }
+    break;
   }
 }
 

@@ -27,6 +27,9 @@ struct RootContext {
   // Units in the order of their first forward this pass, then units first
   // seen in backward.
   std::vector<std::weak_ptr<UnitState>> order;
+  // `order` of the previous forward pass: the implicit forward prefetch's
+  // guess of which unit runs next.
+  std::vector<std::weak_ptr<UnitState>> previous_order;
   // Reductions are issued strictly in reverse forward order, so every rank
   // issues them in one order whatever gradients it received: the next unit
   // (counted from the end of `order`) whose reduction is to be issued.
@@ -66,6 +69,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   bool average = true;
   std::optional<double> scaling_factor;
   std::vector<std::weak_ptr<UnitState>> forward_prefetch;
+  bool explicit_forward_prefetch = false;
   std::vector<std::weak_ptr<UnitState>> backward_prefetch;
   bool explicit_backward_prefetch = false;
 

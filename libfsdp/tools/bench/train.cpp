@@ -198,6 +198,9 @@ struct ConfigSpec {
   // FsdpPp only.
   fsdp::pp::ScheduleKind schedule = fsdp::pp::ScheduleKind::OneFOneB;
   int stages_per_rank = 1;
+  // false: no forward prefetch at all (set_modules_to_forward_prefetch({})
+  // on every unit), to measure the implicit one.
+  bool forward_prefetch = true;
 };
 
 const std::vector<ConfigSpec>& all_configs() {
@@ -216,6 +219,10 @@ const std::vector<ConfigSpec>& all_configs() {
       {"fsdp-reshard-all", Kind::Fsdp, true, false,
        "as fsdp, reshard_after_forward=true (the root too: one more all-gather per step)"},
       {"fsdp-no-reshard", Kind::Fsdp, false, false, "as fsdp, reshard_after_forward=false"},
+      {"fsdp-no-prefetch", Kind::Fsdp, {}, false,
+       "as fsdp without forward prefetch (set_modules_to_forward_prefetch({}) on every unit: "
+       "each unit's all-gather is issued at its own pre-forward)",
+       {}, fsdp::pp::ScheduleKind::OneFOneB, 1, false},
       {"fsdp-fused", Kind::Fsdp, {}, true, "as fsdp, comm_fusion=true"},
       {"hsdp", Kind::Hsdp, {}, false,
        "as fsdp on a (replicate = ranks / 2, shard = 2) mesh: sharded over pairs of ranks, "
@@ -261,10 +268,14 @@ int64_t nbytes(const at::Tensor& t) {
 // (embedding + tied output + final norm). A TP module's parameters must be
 // handed over as DTensors right before its own fully_shard, bottom-up; the
 // plain decoder has none.
+// forward_prefetch: explicit (each unit prefetches the next), implicit (the
+// library's default: the next unit of the previous step's order) or none.
+enum class ForwardPrefetch { Explicit, Implicit, None };
+
 template <typename DecoderHolder>
 fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
                                            const fsdp::FullyShardOptions& fo,
-                                           bool forward_prefetch) {
+                                           ForwardPrefetch forward_prefetch) {
   std::vector<fsdp::FSDPModule> units;
   for (auto& layer : decoder->layers) {
     units.push_back(
@@ -272,15 +283,22 @@ fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
   }
   fsdp::Sharded<DecoderHolder> net =
       fsdp::fully_shard(decoder, fsdp::options_for(*decoder, fo));
-  if (forward_prefetch) {
+  units.insert(units.begin(), *fsdp::fsdp_module_of(*decoder));
+  if (forward_prefetch == ForwardPrefetch::Explicit) {
     // Each unit's forward issues the next one's all-gather; the root's
     // issues the first layer's.
-    units.insert(units.begin(), *fsdp::fsdp_module_of(*decoder));
     for (size_t i = 0; i + 1 < units.size(); ++i) {
       units[i].set_modules_to_forward_prefetch({units[i + 1]});
     }
+  } else if (forward_prefetch == ForwardPrefetch::None) {
+    for (auto& u : units) u.set_modules_to_forward_prefetch({});
   }
   return net;
+}
+
+ForwardPrefetch prefetch_mode(const ConfigSpec& spec, const Options& o) {
+  if (!spec.forward_prefetch) return ForwardPrefetch::None;
+  return o.forward_prefetch ? ForwardPrefetch::Explicit : ForwardPrefetch::Implicit;
 }
 
 // One configuration's model, optimizer and step. `mesh`: (shard) for Fsdp,
@@ -323,7 +341,7 @@ class Trainer {
       data_size_ = static_cast<int>(mesh->size("shard"));
       models::TPDecoder tp(cfg, (*mesh)["tp"], spec.tp);
       tp->load_full(*decoder);
-      auto net = shard_decoder(tp, fo, o.forward_prefetch);
+      auto net = shard_decoder(tp, fo, prefetch_mode(spec, o));
       loss_ = [net, tp](const at::Tensor& inputs, const at::Tensor& targets) mutable {
         return tp->loss(net(inputs), targets);
       };
@@ -331,7 +349,7 @@ class Trainer {
     } else {
       // Not sharded (single, ddp): Sharded simply forwards.
       fsdp::Sharded<models::Decoder> net =
-          data_parallel_fsdp ? shard_decoder(decoder, fo, o.forward_prefetch)
+          data_parallel_fsdp ? shard_decoder(decoder, fo, prefetch_mode(spec, o))
                                   : fsdp::Sharded<models::Decoder>(decoder);
       loss_ = [net](const at::Tensor& inputs, const at::Tensor& targets) mutable {
         return models::lm_loss(net(inputs), targets);
@@ -764,7 +782,7 @@ int run(Options o, const fsdp::Runtime& rt) {
                   ? ""
                   : "fsdp*, hsdp (not tp/pp/ep): MixedPrecisionPolicy param_dtype " +
                         o.param_dtype + ", reduce_dtype float32; every other config float32");
-  report.meta("forward_prefetch", o.forward_prefetch,
+  report.meta("forward_prefetch", o.forward_prefetch ? "explicit" : "implicit",
               o.forward_prefetch ? "FSDP configs: explicit forward prefetch of the next unit"
                                  : "");
   add_runtime_meta(report, rt);
@@ -1131,7 +1149,8 @@ void add_train_command(CLI::App& app, Command& chosen) {
       ->capture_default_str();
   sub->add_flag("--forward-prefetch", o->forward_prefetch,
                 "FSDP configs: each unit's forward prefetches the next unit's all-gather "
-                "(set_modules_to_forward_prefetch); default off, as in plain fully_shard");
+                "(set_modules_to_forward_prefetch); default: the library's implicit prefetch of "
+                "the unit that ran next in the previous step");
   std::vector<std::string> names;
   for (const ConfigSpec& s : all_configs()) names.push_back(s.key);
   sub->add_option("--configs", o->configs, "Configurations to run, comma-separated")
