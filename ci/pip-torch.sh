@@ -2,7 +2,11 @@
 # Installs pip's LibTorch 2.x (the CUDA wheel) into a virtual environment and
 # prints its CMake prefix (for -DCMAKE_PREFIX_PATH) on the last line:
 #
-#   ci/pip-torch.sh <venv-dir>            # FSDP_PIP_TORCH=2.15.0 by default
+#   ci/pip-torch.sh [--python] <venv-dir> # FSDP_PIP_TORCH=2.15.0 by default
+#
+# --python also installs what `import torch` needs (torch's pure-Python
+# requirements: typing-extensions, sympy, ...), for the PyTorch FSDP2 / DDP
+# benchmark peer (libfsdp/tools/bench/peers/); a C++ build does not need it.
 #
 # The wheel's full dependency set (cuDNN, cuBLAS, Triton, ...) is several GB; a
 # C++ build needs only the libraries libtorch_cuda.so links that the CUDA
@@ -10,8 +14,13 @@
 # installed at the versions torch's own metadata pins. Where the toolkit is
 # missing too (ldd still finds a library missing), the full set is installed.
 set -euo pipefail
+with_python=0
+if [ "${1:-}" = "--python" ]; then
+  with_python=1
+  shift
+fi
 if [ $# -ne 1 ]; then
-  echo "usage: $0 <venv-dir>" >&2
+  echo "usage: $0 [--python] <venv-dir>" >&2
   exit 2
 fi
 venv="$1"
@@ -54,6 +63,24 @@ if [ -n "$missing" ]; then
     echo "pip-torch: still missing for libtorch_cuda.so: $(echo $missing)" >&2
     exit 1
   fi
+fi
+if [ "$with_python" -eq 1 ]; then
+  read -r -a python_deps < <("$py" - <<'PY'
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement  # pip always has it
+deps = []
+for r in requires("torch") or []:
+    req = Requirement(r)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name.startswith(("nvidia-", "cuda-", "triton")):
+        continue  # the GPU runtime: not needed to import torch on a CPU
+    deps.append(str(req).replace(" ", ""))
+print(" ".join(deps))
+PY
+  )
+  "$py" -m pip install -q --disable-pip-version-check "${python_deps[@]}"
+  "$py" -c 'import torch.distributed.fsdp' || exit 1
 fi
 echo "pip-torch: torch $version in $venv (NCCL: $site/nvidia/nccl)" >&2
 echo "$site/torch/share/cmake"

@@ -3,7 +3,8 @@
 # environment under the build tree), the NCCL backend built and linked against
 # it, and the L0, L1 and L2 suites run on CPU tensors (the CUDA wheel runs
 # without a GPU). Every L0-L2 executable is the one its gpu2/gpu4 entry runs,
-# so linking them is the CUDA link check.
+# so linking them is the CUDA link check. Then fsdp-bench against the PyTorch
+# FSDP2/DDP benchmark peer on the same torch (fsdp_bench_peer_parity_np2).
 #
 #   ci/test-torch2.sh                 # build in ${TORCH2_BUILD_DIR:-build-torch2}
 #
@@ -18,7 +19,7 @@ label_regex="^($(IFS='|'; echo "${levels[*]}"))\$"
 start=$SECONDS
 
 "$root/ci/install-deps.sh"
-prefix="$("$root/ci/pip-torch.sh" "$build/venv" | tail -n 1)"
+prefix="$("$root/ci/pip-torch.sh" --python "$build/venv" | tail -n 1)"
 site="$(dirname "$(dirname "$(dirname "$prefix")")")"
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
 export NCCL_HOME="$site/nvidia/nccl"
@@ -28,16 +29,19 @@ echo "ci/test-torch2.sh: LibTorch from $prefix ($((SECONDS - start)) s)"
 # -Wstringop-overflow in std::string), and -g would make the precompiled header 0.7 GB.
 cmake -S "$root" -B "$build/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-  -DFSDP_WARNINGS_AS_ERRORS=ON -DFSDP_WITH_NCCL="${FSDP_WITH_NCCL:-ON}" -DFSDP_BUILD_TOOLS=OFF
+  -DFSDP_WARNINGS_AS_ERRORS=ON -DFSDP_WITH_NCCL="${FSDP_WITH_NCCL:-ON}" \
+  -DFSDP_PEER_PYTHON="$build/venv/bin/python"
 
 cd "$build/build"
 # One aggregate target per level (mpi_tests/CMakeLists.txt): its suites build in parallel.
-cmake --build . -j "$(nproc)" --target "${levels[@]/#/fsdp_suites_}"
-echo "ci/test-torch2.sh: built the ${levels[*]} suites ($((SECONDS - start)) s)"
+cmake --build . -j "$(nproc)" --target "${levels[@]/#/fsdp_suites_}" fsdp-bench
+echo "ci/test-torch2.sh: built the ${levels[*]} suites and fsdp-bench ($((SECONDS - start)) s)"
 gpu=$(ctest -N -L "$label_regex" -L 'gpu[124]' | sed -n 's/^Total Tests: //p')
 echo "ci/test-torch2.sh: ${gpu:-0} gpu1/gpu2/gpu4 entries link against NCCL (not run: no GPU here)"
 
 status=0
 ctest -L "$label_regex" -L cpu --output-on-failure --no-tests=error "$@" || status=$?
+# libfsdp beside PyTorch's own FSDP2 and DDP on this LibTorch (the benchmark peer).
+ctest -R '^fsdp_bench_peer_parity_np2$' --output-on-failure --no-tests=error || status=$?
 echo "ci/test-torch2.sh: LibTorch $("$build/venv/bin/python" -m pip show torch | sed -n 's/^Version: //p') leg done in $((SECONDS - start)) s (exit $status)"
 exit "$status"
