@@ -73,7 +73,7 @@ class ShardedParam {
 
   // ---- unshard ----
   // The all-gather input for this rank: the padded shard in param_dtype on the
-  // compute device (a cast copy into a reused buffer when needed; from an
+  // compute device (a fresh cast copy when needed; from an
   // offloaded, pinned shard a non-blocking upload -- see wait_host_copies).
   at::Tensor all_gather_input();
   // The all-gather output buffer [shard_size * block] (regrown in place).
@@ -147,7 +147,6 @@ class ShardedParam {
   HostCopyFence host_copies_;   // pinned uploads / downloads still in flight
   at::Tensor padded_;           // [chunk, rest] orig dtype: the shard's storage
   at::Tensor local_;            // owned rows in the original layout (view of padded_)
-  at::Tensor gather_input_;     // param_dtype copy of padded_ (when dtypes/devices differ)
   at::Tensor unsharded_buf_;    // [shard_size * chunk, rest] param_dtype
   at::Tensor full_;             // the full parameter (view of unsharded_buf_)
   bool unsharded_ = false;

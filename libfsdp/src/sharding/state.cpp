@@ -157,6 +157,21 @@ void begin_backward(UnitState& unit) {
       [root] { finalize_backward(root); });
 }
 
+// A unit's reduction holds its full-size gradient buffers in the reduce
+// dtype (a float32 copy of bfloat16 gradients) until it finishes. Left to
+// the end of backward, every unit's would be alive at once: so when one is
+// issued, the earlier ones finish (FSDP2 keeps one reduce-scatter in flight
+// too); they had the newest unit's backward to complete in. Reductions of
+// units with set_is_last_backward(false) stay in flight on purpose.
+void finish_older_reductions(RootContext& c) {
+  while (c.in_flight.size() > 1) {
+    auto oldest = c.in_flight.front().lock();
+    if (oldest && !oldest->is_last_backward) return;
+    if (oldest) oldest->finish_reductions();
+    c.in_flight.erase(c.in_flight.begin());
+  }
+}
+
 // Issues the prepared reductions in reverse forward order, stopping at the
 // first unit that still waits for gradients (the order is a setting of each
 // unit, never of the data, so it is the same on every rank).
@@ -170,6 +185,7 @@ void issue_ready_reductions(RootContext& c) {
       u->reduce_prepared = false;
       c.in_flight.push_back(u);
       if (!open_backward.empty()) trace_close(open_backward, u->id);
+      finish_older_reductions(c);
     }
     ++c.reduce_cursor;
   }

@@ -982,6 +982,10 @@ int run(Options o, const fsdp::Runtime& rt) {
   // state, so either gives the full model's persistent bytes.
   const std::optional<size_t> full = single ? single : ddp;
   const double ideal_share = full ? static_cast<double>(mem[*full * 6]) / world : 0.0;
+  // HSDP shards over its shard dim (2) only: its ideal is single / 2.
+  const auto ideal_for = [&](const ConfigSpec& s) {
+    return s.kind == Kind::Hsdp ? ideal_share * world / 2 : ideal_share;
+  };
 
   for (size_t i = 0; i < n; ++i) {
     const int64_t* m = &mem[i * 6];
@@ -997,7 +1001,7 @@ int run(Options o, const fsdp::Runtime& rt) {
                 ratio_or_dash(ms, ddp_ms), ratio_or_dash(ms, single_ms),
                 static_cast<double>(m[0]) / kMiB,
                 is_ep(specs[i]) ? Cell(std::string("-"))
-                                : ratio_or_dash(static_cast<double>(m[0]), ideal_share),
+                                : ratio_or_dash(static_cast<double>(m[0]), ideal_for(specs[i])),
                 static_cast<double>(m[4]) / kMiB, static_cast<double>(m[5]) / kMiB,
                 phase_ms[i][0], phase_ms[i][1], phase_ms[i][2], phase_ms[i][3], colls, tp_colls,
                 bubble[i] >= 0 ? Cell(bubble[i]) : Cell(std::string("-")), m[0], m[1], m[2],
@@ -1078,7 +1082,7 @@ int run(Options o, const fsdp::Runtime& rt) {
     for (size_t i = 0; i < n; ++i) {
       const Kind k = specs[i].kind;
       if (k != Kind::Fsdp && k != Kind::Hsdp && k != Kind::FsdpTp) continue;
-      const double r = static_cast<double>(mem[i * 6]) / ideal_share;
+      const double r = static_cast<double>(mem[i * 6]) / ideal_for(specs[i]);
       per[specs[i].key] = r;
       fsdp_met = fsdp_met && r <= kMemoryTarget;
       text += fmt::format("{}{} {:.4f}x", text.empty() ? "" : ", ", specs[i].key, r);
@@ -1087,7 +1091,7 @@ int run(Options o, const fsdp::Runtime& rt) {
     report.summary("memory_target_met", text.empty() ? nullptr : nlohmann::json(fsdp_met),
                    text.empty() ? "target FSDP persistent <= single/N + 2%: no FSDP config run"
                                 : fmt::format("target FSDP persistent bytes/rank <= single/N + "
-                                              "{:.0f}%: {} -> {}",
+                                              "{:.0f}% (hsdp: single/2, its shard size): {} -> {}",
                                               (kMemoryTarget - 1) * 100, text,
                                               fsdp_met ? "MET" : "NOT MET"));
   } else {

@@ -73,7 +73,9 @@ def parse_args(argv):
     p.add_argument("--mpiexec-args", default="",
                    help="extra mpiexec arguments (e.g. Open MPI --mca settings)")
     p.add_argument("--json", type=Path, help="write every launch's rows and the summary")
-    p.add_argument("--plot", type=Path, help="scaling plot (PNG, gnuplot)")
+    p.add_argument("--plot", type=Path,
+                   help="scaling plot (PNG, gnuplot): step time and peak / persistent bytes "
+                        "per rank against the world size")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     a = p.parse_args(argv)
     try:
@@ -270,7 +272,8 @@ def point_targets(model, n, dtype, s):
 
 
 def plot(path, points, models, dtypes):
-    """Step time and persistent bytes per rank against the world size."""
+    """Per model and dtype: step time, and peak and persistent bytes per rank,
+    against the world size."""
     configs = ["fsdp", "hsdp", "ddp", "torch-fsdp2", "torch-hsdp", "torch-ddp", "single"]
     with tempfile.TemporaryDirectory(prefix="fsdp-plot-") as tmp:
         panels = []
@@ -278,25 +281,37 @@ def plot(path, points, models, dtypes):
             for dtype in dtypes:
                 series = []
                 for c in configs:
-                    pts = sorted((p["np"], p["step_ms"], (p["persistent_bytes"] or 0) / MIB)
+                    pts = sorted((p["np"], p["step_ms"], (p["peak_bytes"] or 0) / MIB,
+                                  (p["persistent_bytes"] or 0) / MIB)
                                  for p in points
                                  if p["model"] == model and p["dtype"] == dtype
                                  and p["config"] == c and p["step_ms"] is not None)
                     if not pts:
                         continue
                     f = Path(tmp) / f"{model}-{dtype}-{c}.dat"
-                    f.write_text("".join(f"{a} {b} {m}\n" for a, b, m in pts))
+                    f.write_text("".join(f"{a} {b} {m} {q}\n" for a, b, m, q in pts))
                     series.append((c, f))
-                panels.append((model, dtype, series))
-        script = [f"set terminal pngcairo size {900 * 2},{380 * len(panels)}",
+                panels.append((model, dtype, dict(series)))
+        script = [f"set terminal pngcairo size 1800,{400 * len(panels)}",
                   f"set output '{path}'", "set key outside right", "set grid",
-                  "set xlabel 'ranks'", f"set multiplot layout {len(panels)},2"]
+                  "set logscale x 2", "set xtics (1, 2, 4, 8, 16)", "set xlabel 'ranks'",
+                  f"set multiplot layout {len(panels)},2"]
         for model, dtype, series in panels:
-            for column, label in ((2, "step time (ms)"), (3, "persistent MiB per rank")):
-                script += [f"set title '{model} decoder, {dtype}: {label}'",
-                           f"set ylabel '{label}'"]
-                script.append("plot " + ", ".join(
-                    f"'{f}' using 1:{column} with linespoints title '{c}'" for c, f in series))
+            script += [f"set title '{model} decoder, {dtype}: step time (slowest rank, median)'",
+                       "set ylabel 'ms'",
+                       "plot " + ", ".join(f"'{f}' using 1:2 with linespoints title '{c}'"
+                                           for c, f in series.items())]
+            lines = [f"'{f}' using 1:3 with linespoints title '{c} peak'"
+                     for c, f in series.items()]
+            for c in ("fsdp", "torch-fsdp2"):
+                if c in series:
+                    lines.append(f"'{series[c]}' using 1:4 with lines dashtype 2 "
+                                 f"title '{c} persistent'")
+            if "single" in series:
+                lines.append(f"'{series['single']}' using 1:($4/$1) with lines dashtype 3 "
+                             "title 'single / N'")
+            script += [f"set title '{model} decoder, {dtype}: MiB per rank'",
+                       "set ylabel 'MiB'", "plot " + ", ".join(lines)]
         script.append("unset multiplot")
         subprocess.run(["gnuplot"], input="\n".join(script), text=True, check=True)
 
