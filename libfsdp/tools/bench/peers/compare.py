@@ -211,7 +211,7 @@ def report(args, results):
     print("# libfsdp (fsdp-bench train) and PyTorch (torch_fsdp2.py) on the same pip LibTorch;"
           " step = slowest rank, median over rounds of each launch's median")
     print("# vs fsdp2 / vs tddp: step time over torch-fsdp2's (torch-hsdp's for hsdp) / "
-          "torch-ddp's at the same point; peak vs fsdp2: peak bytes per rank over torch-fsdp2's")
+          "torch-ddp's at the same point; peak vs fsdp2: peak bytes per rank over the same peer's")
     print("#" + header[1:])
     print("#" + units[1:])
     for (model, n, dtype), configs in results.items():
@@ -222,7 +222,7 @@ def report(args, results):
             peer = s.get("torch-hsdp", {}) if c == "hsdp" else fsdp2
             vs_fsdp2 = ratio(v["step_ms"], peer.get("step_ms"))
             vs_ddp = ratio(v["step_ms"], tddp.get("step_ms"))
-            peak_vs = ratio(v["peak_bytes"], fsdp2.get("peak_bytes"))
+            peak_vs = ratio(v["peak_bytes"], peer.get("peak_bytes"))
             print(f"  {model:>5} {n:>3} {dtype:>9} {c:>12} {fmt(v['step_ms'], '.1f'):>8} "
                   f"{fmt(v['step_min_ms'], '.1f'):>8} {fmt(vs_fsdp2, '.3f'):>8} "
                   f"{fmt(vs_ddp, '.3f'):>8} "
