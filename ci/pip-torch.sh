@@ -5,7 +5,7 @@
 #   ci/pip-torch.sh [--python] <venv-dir> # FSDP_PIP_TORCH=2.15.0 by default
 #
 # --python also installs what `import torch` needs (torch's pure-Python
-# requirements: typing-extensions, sympy, ...), for the PyTorch FSDP2 / DDP
+# requirements: typing-extensions, sympy, ...; and numpy), for the PyTorch FSDP2 / DDP
 # benchmark peer (libfsdp/tools/bench/peers/); a C++ build does not need it.
 #
 # The wheel's full dependency set (cuDNN, cuBLAS, Triton, ...) is several GB; a
@@ -76,6 +76,9 @@ for r in requires("torch") or []:
     if req.name.startswith(("nvidia-", "cuda-", "triton")):
         continue  # the GPU runtime: not needed to import torch on a CPU
     deps.append(str(req).replace(" ", ""))
+# Not declared by torch, but torch.distributed's object collectives
+# (broadcast_object_list) need it.
+deps.append("numpy")
 print(" ".join(deps))
 PY
   )

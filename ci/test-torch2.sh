@@ -34,8 +34,9 @@ cmake -S "$root" -B "$build/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_T
 
 cd "$build/build"
 # One aggregate target per level (mpi_tests/CMakeLists.txt): its suites build in parallel.
-cmake --build . -j "$(nproc)" --target "${levels[@]/#/fsdp_suites_}" fsdp-bench
-echo "ci/test-torch2.sh: built the ${levels[*]} suites and fsdp-bench ($((SECONDS - start)) s)"
+# train_mlp: the example its L1 entry runs (examples come with the tools).
+cmake --build . -j "$(nproc)" --target "${levels[@]/#/fsdp_suites_}" train_mlp fsdp-bench
+echo "ci/test-torch2.sh: built the ${levels[*]} suites, train_mlp and fsdp-bench ($((SECONDS - start)) s)"
 gpu=$(ctest -N -L "$label_regex" -L 'gpu[124]' | sed -n 's/^Total Tests: //p')
 echo "ci/test-torch2.sh: ${gpu:-0} gpu1/gpu2/gpu4 entries link against NCCL (not run: no GPU here)"
 
