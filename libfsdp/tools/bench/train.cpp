@@ -198,9 +198,10 @@ struct ConfigSpec {
   // FsdpPp only.
   fsdp::pp::ScheduleKind schedule = fsdp::pp::ScheduleKind::OneFOneB;
   int stages_per_rank = 1;
-  // false: no forward prefetch at all (set_modules_to_forward_prefetch({})
-  // on every unit), to measure the implicit one.
+  // false: no forward (backward) prefetch at all: set_modules_to_forward_
+  // (backward_)prefetch({}) on every unit, to measure the implicit one.
   bool forward_prefetch = true;
+  bool backward_prefetch = true;
 };
 
 const std::vector<ConfigSpec>& all_configs() {
@@ -223,6 +224,10 @@ const std::vector<ConfigSpec>& all_configs() {
        "as fsdp without forward prefetch (set_modules_to_forward_prefetch({}) on every unit: "
        "each unit's all-gather is issued at its own pre-forward)",
        {}, fsdp::pp::ScheduleKind::OneFOneB, 1, false},
+      {"fsdp-no-bwd-prefetch", Kind::Fsdp, {}, false,
+       "as fsdp without backward prefetch (set_modules_to_backward_prefetch({}) on every "
+       "unit: each unit's backward all-gather is issued at its own pre-backward)",
+       {}, fsdp::pp::ScheduleKind::OneFOneB, 1, true, false},
       {"fsdp-fused", Kind::Fsdp, {}, true, "as fsdp, comm_fusion=true"},
       {"hsdp", Kind::Hsdp, {}, false,
        "as fsdp on a (replicate = ranks / 2, shard = 2) mesh: sharded over pairs of ranks, "
@@ -275,7 +280,8 @@ enum class ForwardPrefetch { Explicit, Implicit, None };
 template <typename DecoderHolder>
 fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
                                            const fsdp::FullyShardOptions& fo,
-                                           ForwardPrefetch forward_prefetch) {
+                                           ForwardPrefetch forward_prefetch,
+                                           bool backward_prefetch) {
   std::vector<fsdp::FSDPModule> units;
   for (auto& layer : decoder->layers) {
     units.push_back(
@@ -292,6 +298,9 @@ fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
     }
   } else if (forward_prefetch == ForwardPrefetch::None) {
     for (auto& u : units) u.set_modules_to_forward_prefetch({});
+  }
+  if (!backward_prefetch) {
+    for (auto& u : units) u.set_modules_to_backward_prefetch({});
   }
   return net;
 }
@@ -341,7 +350,7 @@ class Trainer {
       data_size_ = static_cast<int>(mesh->size("shard"));
       models::TPDecoder tp(cfg, (*mesh)["tp"], spec.tp);
       tp->load_full(*decoder);
-      auto net = shard_decoder(tp, fo, prefetch_mode(spec, o));
+      auto net = shard_decoder(tp, fo, prefetch_mode(spec, o), spec.backward_prefetch);
       loss_ = [net, tp](const at::Tensor& inputs, const at::Tensor& targets) mutable {
         return tp->loss(net(inputs), targets);
       };
@@ -349,7 +358,8 @@ class Trainer {
     } else {
       // Not sharded (single, ddp): Sharded simply forwards.
       fsdp::Sharded<models::Decoder> net =
-          data_parallel_fsdp ? shard_decoder(decoder, fo, prefetch_mode(spec, o))
+          data_parallel_fsdp
+              ? shard_decoder(decoder, fo, prefetch_mode(spec, o), spec.backward_prefetch)
                                   : fsdp::Sharded<models::Decoder>(decoder);
       loss_ = [net](const at::Tensor& inputs, const at::Tensor& targets) mutable {
         return models::lm_loss(net(inputs), targets);
