@@ -98,6 +98,63 @@ BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,
   BOOST_TEST(toy::max_abs_diff(s.model->fc1->weight.grad(), ref->fc1->weight.grad()) == 0.0);
 }
 
+// One rank holds each parameter whole, in its own dtype: the module computes
+// on the shard itself (unshard copies nothing, reshard frees nothing) and
+// autograd's gradients are installed as they are. The results stay bitwise
+// those of plain LibTorch, through accumulation without sync, a divide
+// factor and the optimizer's zero_grad (which detaches gradients in place).
+BOOST_AUTO_TEST_CASE(world_size_one_computes_on_the_shard_itself,
+                     *spmd::needs_world_size(1, "runs only on one rank (registered at np 1)")) {
+  toy::Mlp ref = on_device(toy::Mlp(1));
+  Sharded s;
+  auto root = *fsdp::fsdp_module_of(*s.model);
+  auto fc1 = *fsdp::fsdp_module_of(*s.model->fc1.ptr());
+  const void* shard = s.model->fc1->weight.storage().unsafeGetStorageImpl();
+  const void* shard_data = s.model->fc1->weight.data_ptr();
+  fc1.unshard();
+  BOOST_TEST(s.model->fc1->weight.storage().unsafeGetStorageImpl() == shard);
+  BOOST_TEST(s.model->fc1->weight.data_ptr() == shard_data);
+  fc1.reshard();
+  BOOST_TEST(s.model->fc1->weight.data_ptr() == shard_data);
+
+  const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::optim::SGD opt(s.model->parameters(), opts), ref_opt(ref->parameters(), opts);
+  auto compare = [&](const std::string& when) {
+    const auto mine = s.model->parameters(), theirs = ref->parameters();
+    BOOST_TEST_REQUIRE(mine.size() == theirs.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      BOOST_TEST_CONTEXT(when << ", parameter " << i) {
+        BOOST_TEST(toy::max_abs_diff(mine[i], theirs[i]) == 0.0);
+        BOOST_TEST_REQUIRE(mine[i].grad().defined() == theirs[i].grad().defined());
+        if (mine[i].grad().defined()) {
+          BOOST_TEST(toy::max_abs_diff(mine[i].grad(), theirs[i].grad()) == 0.0);
+        }
+      }
+    }
+  };
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    const auto a = on_device(toy::global_batch(20 + step, 8));
+    if (step == 1) {  // two micro-batches, the first without sync
+      const auto b = on_device(toy::global_batch(40 + step, 8));
+      root.set_requires_gradient_sync(false);
+      toy::mse(s.root(b.x), b.y).backward();
+      root.set_requires_gradient_sync(true);
+      toy::mse(ref(b.x), b.y).backward();
+    }
+    // A power of two: dividing by it is exact, as the reference's scaling.
+    const double divide = step == 2 ? 4.0 : 1.0;
+    root.set_gradient_divide_factor(step == 2 ? std::optional<double>(divide) : std::nullopt);
+    toy::mse(s.root(a.x), a.y).backward();
+    (toy::mse(ref(a.x), a.y) / divide).backward();
+    compare("step " + std::to_string(step) + " gradients");
+    opt.step();
+    ref_opt.step();
+    compare("step " + std::to_string(step) + " after the optimizer");
+  }
+}
+
 namespace {
 
 // Embedding tied to the output layer, as in a language model.

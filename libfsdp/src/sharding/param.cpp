@@ -107,6 +107,9 @@ ShardedParam::ShardedParam(std::string name, at::Tensor param, ParamLayout layou
     block_numel_ = full.numel();
   }
   local_ = owned(padded_);
+  full_is_shard_ = (!layout_.fsdp.is_shard() || shard_size_ == 1) &&
+                   param_dtype_ == orig_dtype_ && padded_.device() == compute_device_;
+  if (full_is_shard_) full_ = local_;
   param_.mutable_grad() = at::Tensor();  // a full-shape gradient has no place on a shard
   to_sharded();
 }
@@ -119,6 +122,14 @@ at::Tensor ShardedParam::owned(const at::Tensor& block) const {
 DTensor ShardedParam::dtensor() const {
   return DTensor::from_local(local_, *layout_.spmd_mesh, layout_.spmd_placements,
                              layout_.global_shape);
+}
+
+void ShardedParam::unshard_locally() {
+  if (full_is_shard_) return;
+  at::Tensor out = all_gather_output();
+  // A cast straight from the shard; an offloaded shard goes through
+  // all_gather_input's upload.
+  out.copy_(padded_.device() == compute_device_ ? padded_.view({-1}) : all_gather_input());
 }
 
 at::Tensor ShardedParam::all_gather_input() {
@@ -158,7 +169,7 @@ at::Tensor ShardedParam::all_gather_output() {
 
 void ShardedParam::to_unsharded() {
   if (unsharded_) return;
-  if (!layout_.fsdp.is_shard()) all_gather_output().copy_(padded_.view({-1}));
+  if (!layout_.fsdp.is_shard() && !full_is_shard_) all_gather_output().copy_(padded_.view({-1}));
   // The sharded gradient waits aside while autograd works on the full one.
   if (param_.grad().defined()) {
     stashed_grad_ = param_.grad();
@@ -199,23 +210,43 @@ void ShardedParam::take_pass_grad() {
   pass_grad_ = pass_grad_.defined() ? pass_grad_.add_(r) : r;
 }
 
+at::Tensor ShardedParam::partial_summed_grad() const {
+  // Every member joins, with zeros where it has no gradient. The reduction
+  // group keeps these sums ordered among FSDP's own collectives, apart
+  // from the model's TP collectives on the same ranks.
+  at::Tensor g;
+  if (accumulated_grad_.defined()) {
+    g = pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
+  } else if (pass_grad_.defined()) {
+    g = pass_grad_.clone();
+  } else {
+    g = at::zeros(full_shape_, at::TensorOptions().dtype(reduce_dtype_).device(compute_device_));
+  }
+  g = g.contiguous();
+  for (const auto& group : layout_.grad_partial_groups) {
+    reduction_group_for(group)->all_reduce(g, ReduceOp::SUM);
+  }
+  return g;
+}
+
+at::Tensor ShardedParam::take_local_grad() {
+  const bool any = has_local_grad();
+  at::Tensor g;
+  if (!layout_.grad_partial_groups.empty()) {
+    g = partial_summed_grad();
+  } else if (accumulated_grad_.defined()) {
+    // The accumulation stays until the pass commits (a failed pass keeps it).
+    g = pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
+  } else {
+    g = pass_grad_;
+  }
+  pass_grad_ = at::Tensor();
+  return any ? g : at::Tensor();
+}
+
 void ShardedParam::write_reduce_input(const at::Tensor& dst) const {
   if (!layout_.grad_partial_groups.empty()) {
-    // Every member joins, with zeros where it has no gradient. The reduction
-    // group keeps these sums ordered among FSDP's own collectives, apart
-    // from the model's TP collectives on the same ranks.
-    at::Tensor g;
-    if (accumulated_grad_.defined()) {
-      g = pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
-    } else if (pass_grad_.defined()) {
-      g = pass_grad_.clone();
-    } else {
-      g = at::zeros(full_shape_, at::TensorOptions().dtype(reduce_dtype_).device(compute_device_));
-    }
-    g = g.contiguous();
-    for (const auto& group : layout_.grad_partial_groups) {
-      reduction_group_for(group)->all_reduce(g, ReduceOp::SUM);
-    }
+    const at::Tensor g = partial_summed_grad();
     if (layout_.fsdp.is_shard()) {
       scatter_rows(dst, g.movedim(dim_, 0), chunk_, /*add=*/false);
     } else {
@@ -269,7 +300,8 @@ void ShardedParam::set_grad(const at::Tensor& g) {
   }
 }
 
-void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad) {
+void ShardedParam::add_reduced_grad(const at::Tensor& reduced, double scale,
+                                    bool to_fp32_main_grad) {
   at::Tensor g;
   if (layout_.fsdp.is_shard()) {
     std::vector<int64_t> block_shape = moved_shape_;
@@ -278,26 +310,40 @@ void ShardedParam::add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main
   } else {
     g = reduced.view(full_shape_);
   }
-  // Gradients must own their memory: g is a view of the reduction output,
-  // and optimizers detach_() gradients in place, which views refuse.
+  install_grad(g, scale, to_fp32_main_grad, /*owned=*/false);
+}
+
+void ShardedParam::add_local_grad(const at::Tensor& g, double scale, bool to_fp32_main_grad) {
+  // A view (autograd's gradient of several parameters at once, sliced) must
+  // not become a gradient: optimizers detach_() gradients in place.
+  install_grad(g, scale, to_fp32_main_grad, /*owned=*/!g.is_view());
+}
+
+void ShardedParam::install_grad(const at::Tensor& g, double scale, bool to_fp32_main_grad,
+                                bool owned) {
+  // `s` is the gradient to add; `fresh`: a tensor of our own, which may be
+  // kept as the gradient. The multiply is the copy when g is not ours.
+  const bool fresh = owned || scale != 1;
+  const at::Tensor s = scale == 1 ? g : (owned ? g.mul_(scale) : g.mul(scale));
   if (to_fp32_main_grad) {
-    at::Tensor g32 = g.to(padded_.device(), at::kFloat);
-    main_grad_ = main_grad_.defined() ? main_grad_.add_(g32) : g32.clone();
+    at::Tensor g32 = s.to(padded_.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/!fresh);
+    main_grad_ = main_grad_.defined() ? main_grad_.add_(g32) : g32;
     set_grad(main_grad_);
     return;
   }
   at::Tensor existing = current_sharded_grad();
-  if (!existing.defined() && g.is_cuda() && padded_.is_pinned()) {
-    // Offloaded: into pinned memory without blocking (g, a temporary, is
-    // kept alive until the copy has run).
-    at::Tensor host = at::empty(g.sizes(), g.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(g, /*non_blocking=*/true);
-    host_copies_.record(g.device(), g);
+  if (!existing.defined() && s.is_cuda() && padded_.is_pinned()) {
+    // Offloaded: into pinned memory without blocking (s is kept alive until
+    // the copy has run).
+    at::Tensor host = at::empty(s.sizes(), s.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(s, /*non_blocking=*/true);
+    host_copies_.record(s.device(), s);
     set_grad(host);
     return;
   }
-  set_grad(existing.defined() ? existing.add_(g.to(existing.device(), existing.scalar_type()))
-                              : g.to(padded_.device()).clone());
+  set_grad(existing.defined()
+               ? existing.add_(s.to(existing.device(), existing.scalar_type()))
+               : s.to(padded_.device(), s.scalar_type(), /*non_blocking=*/false, /*copy=*/!fresh));
 }
 
 at::Tensor ShardedParam::sharded_grad_copy(bool fp32_main_grad) const {

@@ -72,6 +72,13 @@ class ShardedParam {
   DTensor dtensor() const;
 
   // ---- unshard ----
+  // The full tensor is the shard itself (no copy to unshard, nothing to free
+  // on reshard): one rank holds the whole parameter (shard group of one, or a
+  // Replicate placement) in param_dtype on the compute device.
+  bool full_is_shard() const { return full_is_shard_; }
+  // Shard group of one: fills the full buffer from the shard (a cast or an
+  // upload; nothing when full_is_shard()).
+  void unshard_locally();
   // The all-gather input for this rank: the padded shard in param_dtype on the
   // compute device (a fresh cast copy when needed; from an
   // offloaded, pinned shard a non-blocking upload -- see wait_host_copies).
@@ -101,6 +108,11 @@ class ShardedParam {
   // (but for a gradient partial over carried dims, first summed over them,
   // in reduce_dtype, which is collective over those groups).
   void write_reduce_input(const at::Tensor& dst) const;
+  // Shard group of one: the gradient to install as it is, in the parameter's
+  // layout and reduce_dtype (accumulated + this pass, summed over the carried
+  // partial groups first, which is collective there). Moves this pass's
+  // gradient out; undefined if this rank has none.
+  at::Tensor take_local_grad();
   // The pass is over: reduced (sync) gradients are dropped; unsynchronised
   // ones join the accumulated gradient.
   void commit_pass(bool reduced);
@@ -112,7 +124,11 @@ class ShardedParam {
   // Replicate placement) to the sharded gradient, or to the fp32 main grad.
   // With an offloaded, pinned shard and no gradient yet, a non-blocking
   // download into a pinned gradient (see wait_host_copies).
-  void add_reduced_grad(const at::Tensor& reduced, bool to_fp32_main_grad);
+  // `reduced` is multiplied by `scale` on the way.
+  void add_reduced_grad(const at::Tensor& reduced, double scale, bool to_fp32_main_grad);
+  // Adds a gradient in the parameter's own layout (take_local_grad's) times
+  // `scale`; `g` is handed over (kept as the gradient where possible).
+  void add_local_grad(const at::Tensor& g, double scale, bool to_fp32_main_grad);
   // Blocks until this parameter's non-blocking host copies (CPU offload on
   // CUDA) have run: before the host reads its gradient or writes its shard.
   void wait_host_copies() { host_copies_.wait(); }
@@ -130,6 +146,12 @@ class ShardedParam {
   at::Tensor owned(const at::Tensor& block) const;  // block [c, rest] -> local layout
   void set_grad(const at::Tensor& g);
   at::Tensor current_sharded_grad() const;
+  // Accumulated + this pass's gradient, summed over the carried partial
+  // groups (collective there; zeros where none). A new tensor.
+  at::Tensor partial_summed_grad() const;
+  // Adds `g` (local layout, reduce dtype) times `scale` to the sharded
+  // gradient; `owned`: `g` is no one else's and may be kept (or scaled in place).
+  void install_grad(const at::Tensor& g, double scale, bool to_fp32_main_grad, bool owned);
 
   std::string name_;
   at::Tensor param_;
@@ -150,6 +172,7 @@ class ShardedParam {
   at::Tensor unsharded_buf_;    // [shard_size * chunk, rest] param_dtype
   at::Tensor full_;             // the full parameter (view of unsharded_buf_)
   bool unsharded_ = false;
+  bool full_is_shard_ = false;
 
   compat::NodePtr hooked_accumulator_;  // strong: the param holds it weakly
   at::Tensor pass_grad_;         // this pass's full gradient, reduce dtype

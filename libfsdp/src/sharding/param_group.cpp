@@ -126,6 +126,12 @@ void ParamGroup::issue_unshard() {
   if (unsharded_ || gather_issued_) return;
   gather_issued_ = true;
   const int64_t ws = shard_group_->size();
+  if (ws == 1) {  // nothing to gather, fused or not: a cast or an upload at most
+    for (auto& p : params_) {
+      if (p.is_sharded_placement()) p.unshard_locally();
+    }
+    return;
+  }
   trace::Span span("all-gather issue", "fsdp");
   if (span.active()) span.arg("group", shard_group_->name()).arg("fused", fused_);
   int64_t traced_bytes = 0;  // of the gathered (full) buffers
@@ -144,13 +150,9 @@ void ParamGroup::issue_unshard() {
     } else {
       compat::restore_storage(fused_gather_out_, nbytes);
     }
-    if (ws == 1) {
-      fused_gather_out_.copy_(input);
-    } else {
-      hint_bytes(fused_gather_out_);
-      gather_works_.push_back(
-          shard_group_->all_gather_into_tensor(fused_gather_out_, input, /*async_op=*/true));
-    }
+    hint_bytes(fused_gather_out_);
+    gather_works_.push_back(
+        shard_group_->all_gather_into_tensor(fused_gather_out_, input, /*async_op=*/true));
     span.arg("bytes", static_cast<int64_t>(nbytes));
     return;
   }
@@ -159,12 +161,8 @@ void ParamGroup::issue_unshard() {
     at::Tensor out = p.all_gather_output();
     at::Tensor in = p.all_gather_input();
     traced_bytes += static_cast<int64_t>(out.nbytes());
-    if (ws == 1) {
-      out.copy_(in);
-    } else {
-      hint_bytes(out);
-      gather_works_.push_back(shard_group_->all_gather_into_tensor(out, in, /*async_op=*/true));
-    }
+    hint_bytes(out);
+    gather_works_.push_back(shard_group_->all_gather_into_tensor(out, in, /*async_op=*/true));
   }
   span.arg("bytes", traced_bytes);
 }
@@ -180,8 +178,8 @@ void ParamGroup::finish_unshard() {
   for (auto& w : gather_works_) w->wait();
   gather_works_.clear();
   gather_issued_ = false;
-  if (fused_ && fused_block_numel_ > 0) {
-    const int64_t ws = shard_group_->size();
+  const int64_t ws = shard_group_->size();
+  if (fused_ && fused_block_numel_ > 0 && ws > 1) {
     const at::Tensor gathered = fused_gather_out_.view({ws, fused_block_numel_});
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
@@ -221,6 +219,13 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
   if (sharded.empty() && replicated.empty()) return;
   settings_ = settings;
   stage_ = Stage::Prepared;
+  if (reduces_locally()) {
+    // Nothing to sum: each gradient is installed as autograd made it.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].requires_grad()) local_grads_.emplace_back(i, params_[i].take_local_grad());
+    }
+    return;
+  }
   const int64_t ws = shard_group_->size();
   auto pre_of = [&](const ShardedParam& p) {
     return pre_divide_factor(p.reduce_dtype(), settings_, divide());
@@ -291,6 +296,7 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
 void ParamGroup::issue_reduce() {
   if (stage_ != Stage::Prepared) return;
   stage_ = Stage::Scattering;
+  if (reduces_locally()) return;
   const int64_t ws = shard_group_->size();
   // The issue; "reduce-scatter wait" (finish_reduce) is the rest.
   trace::Span span("reduce-scatter", "fsdp");
@@ -311,7 +317,7 @@ void ParamGroup::issue_reduce() {
       continue;
     }
     const at::Tensor& out = scatter_inputs_[k + 1];
-    if (ws == 1) {
+    if (ws == 1) {  // HSDP with a shard group of one: the all-reduce sums
       out.copy_(in.view({-1}));
     } else {
       hint_bytes(in);
@@ -375,6 +381,7 @@ void ParamGroup::finish_reduce() {
   // back) rather than a blocking copy each.
   wait_host_copies();
   entries_.clear();
+  local_grads_.clear();
   scatter_inputs_.clear();
   all_reduce_bufs_.clear();
   stage_ = Stage::None;
@@ -401,6 +408,7 @@ void ParamGroup::drop_reduce() {
     works->clear();
   }
   entries_.clear();
+  local_grads_.clear();
   scatter_inputs_.clear();
   all_reduce_bufs_.clear();
   stage_ = Stage::None;
@@ -414,6 +422,9 @@ void ParamGroup::install() {
   const double full_scale = (s.average ? 1.0 / divide : 1.0) * extra;
   // Replica-local mean while the replicate all-reduce is skipped.
   const double shard_scale = (s.average ? replicate_size / divide : 1.0) * extra;
+  for (auto& [param, grad] : local_grads_) {
+    if (grad.defined()) params_[param].add_local_grad(grad, full_scale, s.fp32_main_grad);
+  }
   std::vector<at::Tensor> flag_views;
   for (const auto& e : entries_) flag_views.push_back(e.flag);
   if (flag_views.empty()) return;
@@ -432,7 +443,7 @@ void ParamGroup::install() {
       partial = partial.defined() ? partial.add_(e.out) : e.out.clone();
       partial_presence_[e.param] += present[k];
       if (present[k] > 0) {
-        params_[e.param].add_reduced_grad(e.out * (shard_scale * e.pre_divided), s.fp32_main_grad);
+        params_[e.param].add_reduced_grad(e.out, shard_scale * e.pre_divided, s.fp32_main_grad);
       }
     }
     return;
@@ -447,7 +458,7 @@ void ParamGroup::install() {
     }
     // No rank had a gradient: the parameter keeps none, as in plain LibTorch.
     if (present[k] > 0) {
-      params_[e.param].add_reduced_grad(e.out * (full_scale * e.pre_divided), s.fp32_main_grad);
+      params_[e.param].add_reduced_grad(e.out, full_scale * e.pre_divided, s.fp32_main_grad);
     }
   }
 }

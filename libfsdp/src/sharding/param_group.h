@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp::detail {
@@ -85,6 +86,8 @@ class ParamGroup {
   enum class Stage { None, Prepared, Scattering, AllReducing };
   struct Entry;
   bool hsdp() const { return replicate_group_ && replicate_group_->size() > 1; }
+  // One rank holds every gradient whole: there is nothing to reduce.
+  bool reduces_locally() const { return shard_group_->size() == 1 && !hsdp(); }
   // What "avg" divides the summed gradients by: the divide factor if set,
   // else shard x replicate size.
   double divide() const;
@@ -115,6 +118,8 @@ class ParamGroup {
   Stage stage_ = Stage::None;
   ReduceSettings settings_;
   std::vector<Entry> entries_;              // per reduced parameter
+  // reduces_locally(): (parameter, its gradient; undefined if none)
+  std::vector<std::pair<size_t, at::Tensor>> local_grads_;
   std::vector<at::Tensor> scatter_inputs_;  // kept alive until the collective ran
   std::vector<at::Tensor> all_reduce_bufs_;  // what the replicate all-reduce covers
   std::vector<WorkPtr> scatter_works_;
