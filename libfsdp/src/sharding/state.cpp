@@ -147,6 +147,10 @@ void begin_backward(UnitState& unit) {
     // Not seen in this pass's forward (e.g. its forward ran in an earlier
     // pass whose backward is this one): reduced after the others.
     unit.in_order = true;
+    unit.forward_predecessor.reset();
+    if (auto front = c.order.empty() ? nullptr : c.order.front().lock()) {
+      front->forward_predecessor = unit.weak_from_this();
+    }
     c.order.insert(c.order.begin(), unit.weak_from_this());
   }
   c.phase = RootContext::Phase::Backward;
@@ -294,7 +298,15 @@ void begin_forward_pass(UnitState& root) {
     u->in_order = false;
     for (auto& g : u->groups) g.wait_host_copies();
   }
-  if (!c.order.empty()) c.previous_order = std::move(c.order);
+  if (!c.order.empty()) {
+    ++c.order_generation;
+    for (size_t i = 0; i + 1 < c.order.size(); ++i) {
+      if (auto u = c.order[i].lock()) {
+        u->forward_successor = c.order[i + 1];
+        u->successor_generation = c.order_generation;
+      }
+    }
+  }
   c.order.clear();
   c.reduce_cursor = 0;
   c.phase = RootContext::Phase::Forward;
@@ -578,6 +590,11 @@ void UnitState::pre_forward() {
   lifecycle.enter_forward([this] { return error_label(); });
   if (!recompute && !in_order) {
     in_order = true;
+    if (c.order.empty()) {
+      forward_predecessor.reset();
+    } else {
+      forward_predecessor = c.order.back();
+    }
     c.order.push_back(weak_from_this());
   }
   ++forward_entries;
@@ -594,14 +611,10 @@ void UnitState::pre_forward() {
   // pre-forward, where the caller would wait for it. The order is the
   // model's, the same on every rank, so every rank issues the same gathers;
   // a guess that proves wrong is dropped like any unused prefetch.
-  const auto& previous = c.previous_order;
-  for (size_t i = 0; i + 1 < previous.size(); ++i) {
-    if (previous[i].lock().get() != this) continue;
-    auto next = previous[i + 1].lock();
-    if (next && next.get() != this && !next->in_order && !next->unsharded()) {
-      detail::prefetch(c, *next);
-    }
-    break;
+  if (successor_generation != c.order_generation) return;
+  auto next = forward_successor.lock();
+  if (next && next.get() != this && !next->in_order && !next->unsharded()) {
+    detail::prefetch(c, *next);
   }
 }
 
@@ -659,15 +672,9 @@ void UnitState::pre_backward() {
   // Implicit prefetch: the unit that ran forward just before this one runs
   // backward next -- unless it already began its backward (an enclosing
   // unit, such as the root, whose outputs' gradients arrived first).
-  auto& order = context().order;
-  for (size_t i = 1; i < order.size(); ++i) {
-    if (order[i].lock().get() == this) {
-      auto prev = order[i - 1].lock();
-      if (prev && prev->lifecycle.state() == detail::Lifecycle::Idle) {
-        detail::prefetch(context(), *prev);
-      }
-      break;
-    }
+  auto prev = forward_predecessor.lock();
+  if (prev && prev->lifecycle.state() == detail::Lifecycle::Idle) {
+    detail::prefetch(context(), *prev);
   }
 }
 

@@ -27,9 +27,9 @@ struct RootContext {
   // Units in the order of their first forward this pass, then units first
   // seen in backward.
   std::vector<std::weak_ptr<UnitState>> order;
-  // `order` of the previous forward pass: the implicit forward prefetch's
-  // guess of which unit runs next.
-  std::vector<std::weak_ptr<UnitState>> previous_order;
+  // Counts the passes whose `order` was recorded into the units'
+  // forward_successor (UnitState::successor_generation says which one).
+  uint64_t order_generation = 0;
   // Reductions are issued strictly in reverse forward order, so every rank
   // issues them in one order whatever gradients it received: the next unit
   // (counted from the end of `order`) whose reduction is to be issued.
@@ -77,6 +77,13 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   detail::UnitLifecycle lifecycle;
   int64_t forward_entries = 0;
   bool in_order = false;             // listed in the root context's order
+  // Neighbours in `order`, so that the implicit prefetches find theirs in
+  // O(1): the unit before this one in this pass (backward prefetches it),
+  // and the one after it in the last recorded pass (forward prefetches it;
+  // valid while successor_generation is the context's order_generation).
+  std::weak_ptr<UnitState> forward_predecessor;
+  std::weak_ptr<UnitState> forward_successor;
+  uint64_t successor_generation = 0;
   std::vector<std::vector<bool>> arrived;  // [group][param]: gradient arrived
   int64_t grads_ready = 0;
   int64_t grads_expected = 0;
