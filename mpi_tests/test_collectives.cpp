@@ -17,6 +17,8 @@
 // ops[i] that issue and count nothing.
 #include "spmd.h"
 
+#include "comm/process_group.h"  // ProcessGroupImpl: groups no other test has used
+
 #include <fsdp/comm.h>
 #include <fsdp/errors.h>
 #include <fsdp/mesh.h>
@@ -663,6 +665,46 @@ BOOST_AUTO_TEST_CASE(test_async_work_is_not_completed_until_every_rank_joins) {
       CHECK_MATCH(t, at::kFloat, exact(at::full({4099}, n * (n + 1) / 2, at::kDouble)));
     }
   }
+}
+
+// A group's transport is set up when the group is built (collective, in
+// the same order on every rank), never inside its first collective (c10d's
+// eager init). Set up lazily, ranks that issue their first collectives on two
+// new groups in opposite orders wait for each other forever, each blocked in
+// the set-up of a different group. CPU tensors check the MPI backend's
+// communicators; a gpu entry (CUDA tensors) checks NCCL's ncclCommInitRank.
+BOOST_AUTO_TEST_CASE(test_first_collectives_of_new_groups_in_opposite_orders) {
+  const int n = spmd::world_size();
+  const int me = spmd::rank();
+  std::vector<int> members(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) members[static_cast<size_t>(r)] = r;
+  auto make_group = [&](const std::string& name) {
+    MPI_Comm comm = MPI_COMM_NULL;
+    BOOST_REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &comm) == MPI_SUCCESS);
+    return std::make_shared<fsdp::detail::ProcessGroupImpl>(comm, members, name);
+  };
+  auto a = make_group("new group A");
+  auto b = make_group("new group B");
+  const auto options = at::TensorOptions(at::kFloat).device(spmd::device());
+  at::Tensor ta = at::full({4099}, me + 1, options);
+  at::Tensor tb = at::full({4099}, 10 * (me + 1), options);
+  // Even ranks start with A, odd ones with B; both are issued before either
+  // is waited for, as prefetching issues them.
+  WorkPtr wa, wb;
+  if (me % 2 == 0) {
+    wa = a->all_reduce(ta, ReduceOp::SUM, /*async_op=*/true);
+    wb = b->all_reduce(tb, ReduceOp::SUM, /*async_op=*/true);
+  } else {
+    wb = b->all_reduce(tb, ReduceOp::SUM, /*async_op=*/true);
+    wa = a->all_reduce(ta, ReduceOp::SUM, /*async_op=*/true);
+  }
+  finish(wa, true);
+  finish(wb, true);
+  const double sum = n * (n + 1) / 2.0;
+  CHECK_MATCH(ta, at::kFloat, exact(at::full({4099}, sum, at::kDouble)));
+  CHECK_MATCH(tb, at::kFloat, exact(at::full({4099}, 10 * sum, at::kDouble)));
+  a->shutdown();
+  b->shutdown();
 }
 
 BOOST_AUTO_TEST_CASE(test_collective_counters_count_each_call_and_reset) {
