@@ -148,13 +148,14 @@ struct ShardedChain {
   fsdp::FSDPModule u[3];
   fsdp::FSDPModule root;
   fsdp::Sharded<Chain> net;
-  explicit ShardedChain(int64_t seed) : model(seed) {
+  explicit ShardedChain(int64_t seed, const fsdp::FullyShardOptions& options = {})
+      : model(seed) {
     model->to(spmd::device());
     model->set_markers(true);
-    u[0] = fsdp::fully_shard(model->b0);
-    u[1] = fsdp::fully_shard(model->b1);
-    u[2] = fsdp::fully_shard(model->b2);
-    root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()));
+    u[0] = fsdp::fully_shard(model->b0, options);
+    u[1] = fsdp::fully_shard(model->b1, options);
+    u[2] = fsdp::fully_shard(model->b2, options);
+    root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()), options);
     net = fsdp::Sharded<Chain>(model);
   }
   at::Tensor loss(const toy::Batch& b) {
@@ -1001,9 +1002,14 @@ BOOST_AUTO_TEST_CASE(test_backward_prefetch_order, *multi_rank()) {  // existing
   const auto global = chain_batch(671);
   const auto b = mine(global);
   // "none": explicit empty lists; "explicit": b2 -> b1 -> b0; "implicit":
-  // the default (reverse forward order).
-  for (const std::string mode : {"none", "explicit", "implicit"}) {
-    ShardedChain c(seed);
+  // implicit_backward_prefetch=true (reverse forward order); "default":
+  // implicit on CUDA, none on the CPU.
+  const bool default_prefetches = spmd::device().is_cuda();
+  for (const std::string mode : {"none", "explicit", "implicit", "default"}) {
+    fsdp::FullyShardOptions options;
+    if (mode == "implicit") options.implicit_backward_prefetch = true;
+    ShardedChain c(seed, options);
+    const bool prefetches = mode == "default" ? default_prefetches : mode != "none";
     if (mode == "none") {
       for (auto& u : c.u) u.set_modules_to_backward_prefetch({});
       c.root.set_modules_to_backward_prefetch({});
@@ -1020,7 +1026,7 @@ BOOST_AUTO_TEST_CASE(test_backward_prefetch_order, *multi_rank()) {  // existing
       const int64_t done = l1::find_record(bwd, "broadcast", marker_bytes(kBackwardMarker + i));
       BOOST_TEST(prev_ag >= 0);
       BOOST_TEST(done >= 0);
-      if (mode == "none") {
+      if (!prefetches) {
         BOOST_TEST(prev_ag > done, mode << ": b" << i - 1 << "'s all-gather (#" << prev_ag
                                         << ") issued before b" << i << "'s backward finished (#"
                                         << done << "): " << l1::describe_sequence(bwd));

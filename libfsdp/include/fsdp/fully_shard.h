@@ -104,8 +104,9 @@ class FSDPModule {
   // The units whose all-gathers this unit's pre-forward (pre-backward)
   // issues, ahead of their use. Default (never set): forward, the unit that
   // ran forward after this one in the previous step (none in the first
-  // step); backward, the unit that ran forward before this one. An empty
-  // list turns prefetching off for this unit.
+  // step); backward, the unit that ran forward before this one, on CUDA
+  // (FullyShardOptions::implicit_backward_prefetch). An empty list turns
+  // prefetching off for this unit.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
 

@@ -387,6 +387,16 @@ void ParamGroup::finish_reduce() {
   stage_ = Stage::None;
 }
 
+bool ParamGroup::reduce_complete() const {
+  if (stage_ == Stage::None) return true;
+  if (stage_ == Stage::Prepared) return false;
+  // HSDP: the all-reduce is still to be issued.
+  if (stage_ == Stage::Scattering && hsdp() && settings_.all_reduce) return false;
+  auto done = [](const WorkPtr& w) { return w->is_completed(); };
+  return std::all_of(scatter_works_.begin(), scatter_works_.end(), done) &&
+         std::all_of(all_reduce_works_.begin(), all_reduce_works_.end(), done);
+}
+
 void ParamGroup::wait_host_copies() {
   for (auto& p : params_) p.wait_host_copies();
 }

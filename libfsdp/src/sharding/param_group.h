@@ -69,6 +69,9 @@ class ParamGroup {
   // order on every rank, whatever the timing). Issues those now due.
   static void poll_all_reduces();
   bool reduce_pending() const { return stage_ != Stage::None; }
+  // Nothing of the reduction is left to wait for (none pending, or every
+  // collective issued and complete): finish_reduce would not block.
+  bool reduce_complete() const;
   // Waits for the reduction and adds the results to the sharded gradients
   // (only where some rank had a gradient).
   void finish_reduce();

@@ -15,8 +15,10 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -164,13 +166,33 @@ void begin_backward(UnitState& unit) {
 // A unit's reduction holds its full-size gradient buffers in the reduce
 // dtype (a float32 copy of bfloat16 gradients) until it finishes. Left to
 // the end of backward, every unit's would be alive at once: so when one is
-// issued, the earlier ones finish (FSDP2 keeps one reduce-scatter in flight
-// too); they had the newest unit's backward to complete in. Reductions of
-// units with set_is_last_backward(false) stay in flight on purpose.
+// issued, the earlier ones are finished (their buffers freed) -- if they
+// complete within a short grace. Never waited for without a bound: a rank
+// whose gradients arrive in another order (parameters unused on it) issues
+// the same reduction only at the end of its backward, after all-gathers this
+// rank would issue after the wait, so each would wait for the other. On the
+// CPU the grace also hands the cores to the communication thread; on CUDA
+// the host does not wait at all (it would stall kernel launches). Whether a
+// reduction is finished here or at the end of backward changes when memory
+// is freed, never a value or the order of collectives. Reductions of units
+// with set_is_last_backward(false) stay in flight on purpose.
+constexpr auto kReductionGrace = std::chrono::milliseconds(100);
+
+bool completes_within_grace(const UnitState& u) {
+  if (u.reductions_complete()) return true;
+  if (u.computes_on_cuda) return false;
+  const auto deadline = std::chrono::steady_clock::now() + kReductionGrace;
+  while (!u.reductions_complete()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return true;
+}
+
 void finish_older_reductions(RootContext& c) {
   while (c.in_flight.size() > 1) {
     auto oldest = c.in_flight.front().lock();
-    if (oldest && !oldest->is_last_backward) return;
+    if (oldest && (!oldest->is_last_backward || !completes_within_grace(*oldest))) return;
     if (oldest) oldest->finish_reductions();
     c.in_flight.erase(c.in_flight.begin());
   }
@@ -434,10 +456,16 @@ UnitState::UnitState(int64_t id_, std::vector<std::shared_ptr<torch::nn::Module>
     modules.push_back(m);
     module_ptrs.push_back(m.get());
   }
+  bool on_cuda = mesh.device_type() == c10::kCUDA;
   for (const auto& g : groups) {
     arrived.emplace_back(g.params().size(), false);
-    for (const auto& p : g.params()) grads_expected += p.requires_grad() ? 1 : 0;
+    for (const auto& p : g.params()) {
+      grads_expected += p.requires_grad() ? 1 : 0;
+      on_cuda = on_cuda || p.compute_device().is_cuda();
+    }
   }
+  computes_on_cuda = on_cuda;
+  implicit_backward_prefetch = options.implicit_backward_prefetch.value_or(on_cuda);
 }
 
 bool UnitState::alive() const {
@@ -583,6 +611,11 @@ void UnitState::finish_reductions() {
   for (auto& g : groups) g.finish_reduce();
 }
 
+bool UnitState::reductions_complete() const {
+  return std::all_of(groups.begin(), groups.end(),
+                     [](const detail::ParamGroup& g) { return g.reduce_complete(); });
+}
+
 void UnitState::pre_forward() {
   detail::RootContext& c = context();
   const bool recompute = detail::RecomputeGuard::active();
@@ -672,6 +705,7 @@ void UnitState::pre_backward() {
   // Implicit prefetch: the unit that ran forward just before this one runs
   // backward next -- unless it already began its backward (an enclosing
   // unit, such as the root, whose outputs' gradients arrived first).
+  if (!implicit_backward_prefetch) return;
   auto prev = forward_predecessor.lock();
   if (prev && prev->lifecycle.state() == detail::Lifecycle::Idle) {
     detail::prefetch(context(), *prev);

@@ -72,6 +72,8 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   bool explicit_forward_prefetch = false;
   std::vector<std::weak_ptr<UnitState>> backward_prefetch;
   bool explicit_backward_prefetch = false;
+  bool implicit_backward_prefetch = true;  // FullyShardOptions' (resolved)
+  bool computes_on_cuda = false;  // a parameter (or the mesh) is on CUDA
 
   // Per pass.
   detail::UnitLifecycle lifecycle;
@@ -128,6 +130,8 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   bool reduces() const;
   detail::ReduceSettings reduce_settings() const;
   void finish_reductions();
+  // Every issued reduction has finished (finish_reductions would not wait).
+  bool reductions_complete() const;
 
  private:
   std::shared_ptr<detail::RootContext> own_context_;  // when this unit is a root

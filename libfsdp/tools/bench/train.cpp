@@ -178,8 +178,8 @@ struct Options {
   std::string json_path;
   std::string device = "cpu";  // cpu | cuda (single and fsdp* configs only)
   c10::Device resolved_device{c10::kCPU};
-  // fsdp, fsdp-reshard-all, fsdp-no-reshard, fsdp-fused, hsdp: MixedPrecisionPolicy param_dtype
-  // (reduce_dtype float32); the other configs stay float32.
+  // The data-parallel FSDP configs (data_parallel_fsdp_keys()):
+  // MixedPrecisionPolicy param_dtype (reduce_dtype float32); the others stay float32.
   std::string param_dtype = "float32";
 };
 
@@ -198,10 +198,12 @@ struct ConfigSpec {
   // FsdpPp only.
   fsdp::pp::ScheduleKind schedule = fsdp::pp::ScheduleKind::OneFOneB;
   int stages_per_rank = 1;
-  // false: no forward (backward) prefetch at all: set_modules_to_forward_
-  // (backward_)prefetch({}) on every unit, to measure the implicit one.
+  // false: no forward prefetch at all (set_modules_to_forward_prefetch({})
+  // on every unit), to measure the implicit one.
   bool forward_prefetch = true;
-  bool backward_prefetch = true;
+  // Default: the library's (implicit on CUDA, none on the CPU); Implicit:
+  // implicit_backward_prefetch=true; None: set_modules_to_backward_prefetch({}).
+  enum class Backward { Default, Implicit, None } backward_prefetch = Backward::Default;
 };
 
 const std::vector<ConfigSpec>& all_configs() {
@@ -226,8 +228,13 @@ const std::vector<ConfigSpec>& all_configs() {
        {}, fsdp::pp::ScheduleKind::OneFOneB, 1, false},
       {"fsdp-no-bwd-prefetch", Kind::Fsdp, {}, false,
        "as fsdp without backward prefetch (set_modules_to_backward_prefetch({}) on every "
-       "unit: each unit's backward all-gather is issued at its own pre-backward)",
-       {}, fsdp::pp::ScheduleKind::OneFOneB, 1, true, false},
+       "unit: each unit's backward all-gather is issued at its own pre-backward; on the CPU "
+       "the default already is)",
+       {}, fsdp::pp::ScheduleKind::OneFOneB, 1, true, ConfigSpec::Backward::None},
+      {"fsdp-bwd-prefetch", Kind::Fsdp, {}, false,
+       "as fsdp with implicit_backward_prefetch=true (each unit's pre-backward issues the "
+       "all-gather of the unit before it, FSDP2's default; the library's on CUDA only)",
+       {}, fsdp::pp::ScheduleKind::OneFOneB, 1, true, ConfigSpec::Backward::Implicit},
       {"fsdp-fused", Kind::Fsdp, {}, true, "as fsdp, comm_fusion=true"},
       {"hsdp", Kind::Hsdp, {}, false,
        "as fsdp on a (replicate = ranks / 2, shard = 2) mesh: sharded over pairs of ranks, "
@@ -265,6 +272,15 @@ const std::vector<ConfigSpec>& all_configs() {
   return table;
 }
 
+// The configs --param-dtype applies to and --device cuda runs beside single.
+std::string data_parallel_fsdp_keys() {
+  std::vector<std::string> keys;
+  for (const ConfigSpec& s : all_configs()) {
+    if (s.kind == Kind::Fsdp || s.kind == Kind::Hsdp) keys.push_back(s.key);
+  }
+  return fmt::format("{}", fmt::join(keys, ", "));
+}
+
 int64_t nbytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
@@ -281,7 +297,7 @@ template <typename DecoderHolder>
 fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
                                            const fsdp::FullyShardOptions& fo,
                                            ForwardPrefetch forward_prefetch,
-                                           bool backward_prefetch) {
+                                           ConfigSpec::Backward backward_prefetch) {
   std::vector<fsdp::FSDPModule> units;
   for (auto& layer : decoder->layers) {
     units.push_back(
@@ -299,7 +315,7 @@ fsdp::Sharded<DecoderHolder> shard_decoder(DecoderHolder decoder,
   } else if (forward_prefetch == ForwardPrefetch::None) {
     for (auto& u : units) u.set_modules_to_forward_prefetch({});
   }
-  if (!backward_prefetch) {
+  if (backward_prefetch == ConfigSpec::Backward::None) {
     for (auto& u : units) u.set_modules_to_backward_prefetch({});
   }
   return net;
@@ -332,6 +348,9 @@ class Trainer {
     fo.shard_dim = "shard";
     fo.reshard_after_forward = spec.reshard_after_forward;
     fo.comm_fusion = spec.comm_fusion;
+    if (spec.backward_prefetch == ConfigSpec::Backward::Implicit) {
+      fo.implicit_backward_prefetch = true;
+    }
     if (spec.kind == Kind::Hsdp) fo.replicate_dim = "replicate";
     const bool data_parallel_fsdp = spec.kind == Kind::Fsdp || spec.kind == Kind::Hsdp;
     if (data_parallel_fsdp && o.param_dtype == "bfloat16") {
@@ -675,9 +694,8 @@ int run(Options o, const fsdp::Runtime& rt) {
                         "GPU visible); accepted: cpu, cuda",
                         TORCH_VERSION);
     } else if (!named.empty()) {
-      bad = fmt::format("--configs {}: CPU only; with --device cuda: single, fsdp, "
-                        "fsdp-reshard-all, fsdp-no-reshard, fsdp-fused, hsdp",
-                        fmt::join(named, ","));
+      bad = fmt::format("--configs {}: CPU only; with --device cuda: single, {}",
+                        fmt::join(named, ","), data_parallel_fsdp_keys());
     }
     if (!bad.empty()) {
       if (rank == 0) std::cerr << "fsdp-bench train: " << bad << '\n';
@@ -1197,9 +1215,9 @@ void add_train_command(CLI::App& app, Command& chosen) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   sub->add_option("--param-dtype", o->param_dtype,
-                  "fsdp, fsdp-reshard-all, fsdp-no-reshard, fsdp-fused, hsdp: all-gather and compute dtype "
-                  "(MixedPrecisionPolicy param_dtype; gradients reduced in float32); the other "
-                  "configs stay float32")
+                  data_parallel_fsdp_keys() +
+                      ": all-gather and compute dtype (MixedPrecisionPolicy param_dtype; "
+                      "gradients reduced in float32); the other configs stay float32")
       ->check(CLI::IsMember({"float32", "bfloat16"}))
       ->capture_default_str();
   sub->add_option("--json", o->json_path,
