@@ -677,24 +677,19 @@ Config config(pp::ScheduleKind kind, int n_mb) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// L2-09: one case per schedule, microbatches 2 (per-parameter collectives)
-// and 4 (comm_fusion: one per unit).
+// L2-09: every schedule, microbatches 2 (per-parameter collectives) and 4
+// (comm_fusion: one per unit).
 
-BOOST_AUTO_TEST_SUITE(test_pp_fsdp_coupling)
-
-BOOST_AUTO_TEST_CASE(gpipe, *spmd::needs_world_size(4, "pp=2, dp=2")) {
-  for (int n : {2, 4}) check_config(config(pp::ScheduleKind::GPipe, n));
+BOOST_AUTO_TEST_CASE(test_pp_fsdp_coupling, *spmd::needs_world_size(4, "pp=2, dp=2")) {
+  for (const auto kind : {pp::ScheduleKind::GPipe, pp::ScheduleKind::OneFOneB,
+                          pp::ScheduleKind::Interleaved1F1B}) {
+    for (int n : {2, 4}) {
+      BOOST_TEST_CONTEXT(pp::to_string(kind) << ", " << n << " microbatches") {
+        check_config(config(kind, n));
+      }
+    }
+  }
 }
-
-BOOST_AUTO_TEST_CASE(one_f_one_b, *spmd::needs_world_size(4, "pp=2, dp=2")) {
-  for (int n : {2, 4}) check_config(config(pp::ScheduleKind::OneFOneB, n));
-}
-
-BOOST_AUTO_TEST_CASE(interleaved_1f1b, *spmd::needs_world_size(4, "pp=2, dp=2")) {
-  for (int n : {2, 4}) check_config(config(pp::ScheduleKind::Interleaved1F1B, n));
-}
-
-BOOST_AUTO_TEST_SUITE_END()
 
 // Dynamic sequence length: [rows, seq, 16] inputs, seq 5, 9, 3 over three
 // steps (AdamW between them), shapes exchanged with every transfer; the
