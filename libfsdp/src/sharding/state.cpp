@@ -182,11 +182,13 @@ bool completes_within_grace(const UnitState& u) {
   if (u.reductions_complete()) return true;
   if (u.computes_on_cuda) return false;
   const auto deadline = std::chrono::steady_clock::now() + kReductionGrace;
-  while (!u.reductions_complete()) {
+  for (;;) {
+    // HSDP: the all-reduces due once their reduce-scatters finished.
+    ParamGroup::poll_all_reduces();
+    if (u.reductions_complete()) return true;
     if (std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  return true;
 }
 
 void finish_older_reductions(RootContext& c) {
