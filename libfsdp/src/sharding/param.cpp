@@ -210,16 +210,20 @@ void ShardedParam::take_pass_grad() {
   pass_grad_ = pass_grad_.defined() ? pass_grad_.add_(r) : r;
 }
 
+at::Tensor ShardedParam::summed_grad(bool copy_pass) const {
+  // The accumulation stays until the pass commits (a failed pass keeps it).
+  if (accumulated_grad_.defined()) {
+    return pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
+  }
+  return copy_pass && pass_grad_.defined() ? pass_grad_.clone() : pass_grad_;
+}
+
 at::Tensor ShardedParam::partial_summed_grad() const {
   // Every member joins, with zeros where it has no gradient. The reduction
   // group keeps these sums ordered among FSDP's own collectives, apart
   // from the model's TP collectives on the same ranks.
-  at::Tensor g;
-  if (accumulated_grad_.defined()) {
-    g = pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
-  } else if (pass_grad_.defined()) {
-    g = pass_grad_.clone();
-  } else {
+  at::Tensor g = summed_grad(/*copy_pass=*/true);
+  if (!g.defined()) {
     g = at::zeros(full_shape_, at::TensorOptions().dtype(reduce_dtype_).device(compute_device_));
   }
   g = g.contiguous();
@@ -231,15 +235,8 @@ at::Tensor ShardedParam::partial_summed_grad() const {
 
 at::Tensor ShardedParam::take_local_grad() {
   const bool any = has_local_grad();
-  at::Tensor g;
-  if (!layout_.grad_partial_groups.empty()) {
-    g = partial_summed_grad();
-  } else if (accumulated_grad_.defined()) {
-    // The accumulation stays until the pass commits (a failed pass keeps it).
-    g = pass_grad_.defined() ? accumulated_grad_ + pass_grad_ : accumulated_grad_.clone();
-  } else {
-    g = pass_grad_;
-  }
+  const at::Tensor g = layout_.grad_partial_groups.empty() ? summed_grad(/*copy_pass=*/false)
+                                                           : partial_summed_grad();
   pass_grad_ = at::Tensor();
   return any ? g : at::Tensor();
 }

@@ -146,6 +146,9 @@ class ShardedParam {
   at::Tensor owned(const at::Tensor& block) const;  // block [c, rest] -> local layout
   void set_grad(const at::Tensor& g);
   at::Tensor current_sharded_grad() const;
+  // Accumulated + this pass's gradient, a tensor of its own (this pass's
+  // alone is cloned only if `copy_pass`); undefined if neither.
+  at::Tensor summed_grad(bool copy_pass) const;
   // Accumulated + this pass's gradient, summed over the carried partial
   // groups (collective there; zeros where none). A new tensor.
   at::Tensor partial_summed_grad() const;
