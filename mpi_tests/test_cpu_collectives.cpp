@@ -167,14 +167,24 @@ void check_reduce_scatter(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarT
   BOOST_TEST(at::equal(out, again), label << ": rerun differs");
 }
 
-void check_all_gather(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType t, int64_t block) {
+// in_place: the input is this rank's block of the output (as fully_shard
+// gathers), which the algorithm must neither copy over nor skip sending.
+void check_all_gather(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType t, int64_t block,
+                      bool in_place) {
   const int n = g->size();
   const at::Tensor in = input(t, block, static_cast<int>(block));
   at::Tensor out = at::full({block * n}, 99, in.options());
   use(a);
-  g->all_gather_into_tensor(out, in);
+  if (in_place) {
+    const at::Tensor mine = out.narrow(0, g->rank() * block, block);
+    mine.copy_(in);
+    g->all_gather_into_tensor(out, mine);
+  } else {
+    g->all_gather_into_tensor(out, in);
+  }
   const at::Tensor want = group_rows(gather_world(in), g).reshape({-1});
-  BOOST_TEST(at::equal(out, want), what(a, "all_gather", t, block, g, ReduceOp::SUM));
+  BOOST_TEST(at::equal(out, want), what(a, "all_gather", t, block, g, ReduceOp::SUM)
+                                       << (in_place ? " in place" : ""));
 }
 
 void check_all_reduce(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType t, int64_t numel,
@@ -225,8 +235,40 @@ BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {
   for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
     for (const auto& g : groups()) {
       for (auto t : kAllTypes) {
-        for (int64_t block : kBlocks) check_all_gather(a, g, t, block);
+        for (int64_t block : kBlocks) check_all_gather(a, g, t, block, /*in_place=*/false);
       }
+    }
+  }
+}
+
+// Open MPI's path included (it is given MPI_IN_PLACE, since MPI forbids a
+// send buffer inside the receive buffer; Open MPI happens to tolerate this
+// exact overlap, so the case checks results, not the flag).
+BOOST_AUTO_TEST_CASE(all_gather_in_place_every_algorithm) {
+  KeepSettings keep;
+  for (auto a : {CpuAlgorithm::Mpi, CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+    for (const auto& g : groups()) {
+      for (auto t : {at::kFloat, at::kBFloat16, at::kLong}) {
+        for (int64_t block : kBlocks) check_all_gather(a, g, t, block, /*in_place=*/true);
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(all_gather_input_overlapping_output_elsewhere_is_refused) {
+  const ProcessGroupPtr g = fsdp::world_group();
+  const int n = g->size();
+  at::Tensor out = at::zeros({4 * n}, at::kFloat);
+  // Another rank's block, and one straddling two (runs at np >= 2).
+  const at::Tensor other = out.narrow(0, 4 * ((g->rank() + 1) % n), 4);
+  const at::Tensor straddling = out.narrow(0, 4 * g->rank() + (g->rank() + 1 < n ? 1 : -1), 4);
+  for (const at::Tensor& bad : {other, straddling}) {
+    try {
+      g->all_gather_into_tensor(out, bad);
+      BOOST_ERROR("an overlapping input was accepted");
+    } catch (const fsdp::ArgumentError& e) {
+      BOOST_TEST(std::string(e.what()).find("'input' overlaps 'output'") != std::string::npos,
+                 e.what());
     }
   }
 }

@@ -121,7 +121,9 @@ class ProcessGroup {
   virtual const std::string& name() const = 0;
 
   // output (numel = input.numel() * size(), same dtype) <- concatenation of
-  // every rank's input in rank order.
+  // every rank's input in rank order. In place: input may be output's block
+  // for this rank (output.narrow(0, rank() * input.numel(), input.numel())),
+  // which saves the copy of it; any other overlap is an ArgumentError.
   virtual WorkPtr all_gather_into_tensor(at::Tensor output, const at::Tensor& input,
                                          bool async_op = false) = 0;
   // output (numel = input.numel() / size()) <- rank's block of the reduction

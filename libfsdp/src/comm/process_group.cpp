@@ -100,6 +100,21 @@ void check_pair(const char* fn, const at::Tensor& out, const at::Tensor& in) {
   }
 }
 
+// An all-gather's input may be the output's block for this rank (the
+// collective then copies nothing of its own); any other overlap would read
+// what it writes.
+void check_gather_overlap(const char* fn, const at::Tensor& out, const at::Tensor& in,
+                          int rank) {
+  const auto* o = static_cast<const char*>(out.data_ptr());
+  const auto* i = static_cast<const char*>(in.data_ptr());
+  if (i >= o + out.nbytes() || o >= i + in.nbytes()) return;
+  if (i == o + static_cast<int64_t>(in.nbytes()) * rank) return;
+  throw ArgumentError("input", std::string(fn) + ": 'input' overlaps 'output' but is not its "
+                                   "block for this rank (elements [rank * input.numel(), "
+                                   "(rank + 1) * input.numel())); accepted: that block (in "
+                                   "place) or memory of its own");
+}
+
 void check_reduce_op(const char* fn, ReduceOp op, const at::Tensor& t, const char* arg) {
   if (op != ReduceOp::SUM && op != ReduceOp::AVG && op != ReduceOp::MAX) {
     throw ArgumentError("op", std::string(fn) + ": 'op' = " +
@@ -260,6 +275,7 @@ WorkPtr ProcessGroupImpl::all_gather_into_tensor(at::Tensor output, const at::Te
                                    " elements; expected input.numel() * group size = " +
                                    std::to_string(input.numel() * size_));
   }
+  check_gather_overlap(fn, output, input, rank_);
   Backend& b = backend_for(input, "input");
   count_collective("all_gather", name_, bytes_of(input));
   return b.all_gather(output, input, async_op);

@@ -125,29 +125,15 @@ DTensor ShardedParam::dtensor() const {
 }
 
 void ShardedParam::unshard_locally() {
-  if (full_is_shard_) return;
-  at::Tensor out = all_gather_output();
-  // A cast straight from the shard; an offloaded shard goes through
-  // all_gather_input's upload.
-  out.copy_(padded_.device() == compute_device_ ? padded_.view({-1}) : all_gather_input());
+  if (!full_is_shard_) copy_in(all_gather_output());
 }
 
-at::Tensor ShardedParam::all_gather_input() {
-  if (param_dtype_ == orig_dtype_ && padded_.device() == compute_device_) {
-    return padded_.view({-1});
-  }
-  // A fresh copy per gather, owned by the collective until it finishes: kept
-  // between steps it would hold a param_dtype copy of every shard for good
-  // (3.3 MiB per rank of the plan's decoder at np 2 in bfloat16, beside
-  // 26.5 MiB of parameters, gradients and optimizer state).
-  at::Tensor input = at::empty(padded_.sizes(), padded_.options().dtype(param_dtype_).device(
-                                                    compute_device_).pinned_memory(false));
+void ShardedParam::copy_in(const at::Tensor& dst) {
   // An offloaded shard is pinned on CUDA runs: its upload does not block the
   // host, and the host waits for it before it next writes the shard.
   const bool upload = compute_device_.is_cuda() && padded_.is_pinned();
-  input.copy_(padded_, /*non_blocking=*/upload);
+  dst.copy_(padded_.view({-1}), /*non_blocking=*/upload);
   if (upload) host_copies_.record(compute_device_, at::Tensor());
-  return input.view({-1});
 }
 
 at::Tensor ShardedParam::all_gather_output() {

@@ -79,10 +79,11 @@ class ShardedParam {
   // Shard group of one: fills the full buffer from the shard (a cast or an
   // upload; nothing when full_is_shard()).
   void unshard_locally();
-  // The all-gather input for this rank: the padded shard in param_dtype on the
-  // compute device (a fresh cast copy when needed; from an
-  // offloaded, pinned shard a non-blocking upload -- see wait_host_copies).
-  at::Tensor all_gather_input();
+  // Writes the padded shard, in param_dtype on the compute device, into `dst`
+  // (padded_block_numel() elements; this rank's block of an all-gather output,
+  // which then gathers in place): a copy or a cast, and from an offloaded,
+  // pinned shard a non-blocking upload (see wait_host_copies).
+  void copy_in(const at::Tensor& dst);
   // The all-gather output buffer [shard_size * block] (regrown in place).
   at::Tensor all_gather_output();
   // Points the module's parameter at the full tensor (after the gather), or

@@ -76,7 +76,11 @@ ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_g
       fused_(fused) {
   for (const auto& p : params_) {
     fused_offsets_.push_back(fused_block_numel_);
-    if (p.is_sharded_placement()) fused_block_numel_ += p.padded_block_numel();
+    if (!p.is_sharded_placement()) continue;
+    if (fused_block_numel_ == 0) {
+      fused_gather_options_ = at::TensorOptions(p.compute_dtype()).device(p.compute_device());
+    }
+    fused_block_numel_ += p.padded_block_numel();
   }
   partial_sums_.resize(params_.size());
   partial_presence_.resize(params_.size());
@@ -135,34 +139,39 @@ void ParamGroup::issue_unshard() {
   trace::Span span("all-gather issue", "fsdp");
   if (span.active()) span.arg("group", shard_group_->name()).arg("fused", fused_);
   int64_t traced_bytes = 0;  // of the gathered (full) buffers
+  // In place, as FSDP2 does: each shard is copied (or cast) straight into
+  // this rank's block of the output, so the collective copies nothing of its
+  // own and no separate input buffer exists.
+  const int64_t me = shard_group_->rank();
   if (fused_ && fused_block_numel_ > 0) {
-    at::Tensor input;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      auto& p = params_[i];
-      if (!p.is_sharded_placement()) continue;
-      at::Tensor in = p.all_gather_input();
-      if (!input.defined()) input = at::empty({fused_block_numel_}, in.options());
-      input.narrow(0, fused_offsets_[i], p.padded_block_numel()).copy_(in);
-    }
-    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) * input.element_size();
+    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
+                          c10::elementSize(fused_gather_options_.dtype().toScalarType());
     if (!fused_gather_out_.defined()) {
-      fused_gather_out_ = at::empty({fused_block_numel_ * ws}, input.options());
+      fused_gather_out_ = at::empty({fused_block_numel_ * ws}, fused_gather_options_);
     } else {
       compat::restore_storage(fused_gather_out_, nbytes);
     }
+    const at::Tensor mine = fused_gather_out_.narrow(0, me * fused_block_numel_, fused_block_numel_);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& p = params_[i];
+      if (!p.is_sharded_placement()) continue;
+      p.copy_in(mine.narrow(0, fused_offsets_[i], p.padded_block_numel()));
+    }
     hint_bytes(fused_gather_out_);
     gather_works_.push_back(
-        shard_group_->all_gather_into_tensor(fused_gather_out_, input, /*async_op=*/true));
+        shard_group_->all_gather_into_tensor(fused_gather_out_, mine, /*async_op=*/true));
     span.arg("bytes", static_cast<int64_t>(nbytes));
     return;
   }
   for (auto& p : params_) {
     if (!p.is_sharded_placement()) continue;
     at::Tensor out = p.all_gather_output();
-    at::Tensor in = p.all_gather_input();
+    const int64_t block = p.padded_block_numel();
+    at::Tensor mine = out.narrow(0, me * block, block);
+    p.copy_in(mine);
     traced_bytes += static_cast<int64_t>(out.nbytes());
     hint_bytes(out);
-    gather_works_.push_back(shard_group_->all_gather_into_tensor(out, in, /*async_op=*/true));
+    gather_works_.push_back(shard_group_->all_gather_into_tensor(out, mine, /*async_op=*/true));
   }
   span.arg("bytes", traced_bytes);
 }

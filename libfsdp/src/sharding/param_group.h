@@ -117,6 +117,7 @@ class ParamGroup {
   at::Tensor fused_gather_out_;  // [shard_size * total]
   std::vector<int64_t> fused_offsets_;  // per parameter, within one rank's block
   int64_t fused_block_numel_ = 0;
+  at::TensorOptions fused_gather_options_;  // the first sharded parameter's dtype, device
 
   Stage stage_ = Stage::None;
   ReduceSettings settings_;

@@ -72,7 +72,10 @@ struct Collective {
 
 const std::map<std::string, Collective>& collectives() {
   static const std::map<std::string, Collective> table{
-      {"all_gather", {"MPI_Allgather", "all_gather_into_tensor", false,
+      {"all_gather", {"MPI_Allgather (MPI_IN_PLACE)",
+                      "all_gather_into_tensor in place (input = this rank's block of output, "
+                      "as fully_shard gathers)",
+                      false,
                       [](int n) { return static_cast<double>(n - 1) / n; }, 1, 0}},
       {"reduce_scatter", {"MPI_Reduce_scatter_block", "reduce_scatter_tensor", true,
                           [](int n) { return static_cast<double>(n - 1) / n; }, 1, 1}},
@@ -173,12 +176,13 @@ Case make_case(const std::string& op, int64_t requested, c10::ScalarType dtype,
     const int64_t block = c.count / n;
     const bool gather = op == "all_gather";
     at::Tensor whole = at::zeros({c.count}, opts);
-    at::Tensor part = at::zeros({block}, opts);
+    // all_gather in place: each rank's input is its block of the output.
+    at::Tensor part = gather ? whole.narrow(0, block * pg->rank(), block) : at::zeros({block}, opts);
     const int count = static_cast<int>(block);
     if (gather) {
       c.ours = [pg, whole, part] { pg->all_gather_into_tensor(whole, part); };
       c.raw = [whole, part, count, &raw, comm] {
-        check_mpi(MPI_Allgather(part.data_ptr(), count, raw.datatype(), whole.data_ptr(), count,
+        check_mpi(MPI_Allgather(MPI_IN_PLACE, count, raw.datatype(), whole.data_ptr(), count,
                                 raw.datatype(), comm),
                   "MPI_Allgather");
       };
