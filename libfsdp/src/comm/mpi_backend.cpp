@@ -124,10 +124,7 @@ class MpiBackend final : public Backend {
     return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count] {
       // MPI forbids a send buffer inside the receive buffer: in place is
       // MPI_IN_PLACE (ProcessGroupImpl let only this rank's block through).
-      const void* send = in.data_ptr() == static_cast<char*>(out.data_ptr()) +
-                                             static_cast<int64_t>(in.nbytes()) * peers_.rank
-                             ? MPI_IN_PLACE
-                             : in.data_ptr();
+      const void* send = is_own_gather_block(out, in, peers_.rank) ? MPI_IN_PLACE : in.data_ptr();
       if (!poll_) {
         check_mpi(MPI_Allgather(send, count, dt, out.data_ptr(), count, dt, comm_),
                   "MPI_Allgather");

@@ -100,6 +100,15 @@ void check_pair(const char* fn, const at::Tensor& out, const at::Tensor& in) {
   }
 }
 
+}  // namespace
+
+bool is_own_gather_block(const at::Tensor& output, const at::Tensor& input, int rank) {
+  return static_cast<const char*>(input.data_ptr()) ==
+         static_cast<const char*>(output.data_ptr()) + static_cast<int64_t>(input.nbytes()) * rank;
+}
+
+namespace {
+
 // An all-gather's input may be the output's block for this rank (the
 // collective then copies nothing of its own); any other overlap would read
 // what it writes.
@@ -108,7 +117,7 @@ void check_gather_overlap(const char* fn, const at::Tensor& out, const at::Tenso
   const auto* o = static_cast<const char*>(out.data_ptr());
   const auto* i = static_cast<const char*>(in.data_ptr());
   if (i >= o + out.nbytes() || o >= i + in.nbytes()) return;
-  if (i == o + static_cast<int64_t>(in.nbytes()) * rank) return;
+  if (is_own_gather_block(out, in, rank)) return;
   throw ArgumentError("input", std::string(fn) + ": 'input' overlaps 'output' but is not its "
                                    "block for this rank (elements [rank * input.numel(), "
                                    "(rank + 1) * input.numel())); accepted: that block (in "

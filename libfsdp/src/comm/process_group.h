@@ -248,6 +248,10 @@ class CollectiveCheck {
   int64_t issued_ = 0;  // collectives verified so far
 };
 
+// An all-gather in place: input is output's block for `rank` (the one
+// overlap all_gather_into_tensor accepts; backends then skip that block's copy).
+bool is_own_gather_block(const at::Tensor& output, const at::Tensor& input, int rank);
+
 // ---- counters ----
 void count_collective(const std::string& op, const std::string& group, int64_t bytes);
 
