@@ -26,7 +26,8 @@
 # Knobs: OUT (default build-gpu/out), BUILD_DIR (build-gpu), BUNDLE_DIR
 # (build-gpu-bundle), TORCH_PREFIX (torch's CMake prefix; default asks python3),
 # NCCL_HOME (default: pip's nvidia-nccl inside torch's site-packages),
-# H200_BUDGET_S (480), JOBS (nproc), TRAIN_STEPS (20).
+# H200_BUDGET_S (480), H200_BUILD_S (the build step's limit, 300), JOBS (nproc),
+# TRAIN_STEPS (20).
 set -uo pipefail
 
 dry=0
@@ -237,7 +238,7 @@ if [ "$dry" = 0 ] && [ "$configured" = 1 ]; then
 fi
 built=1
 if [ "$configured" = 1 ]; then
-  run_step build 300 "${#targets[@]} targets, -j$jobs" "$cmake_bin" --build "$build" -j "$jobs" --target "${targets[@]}" || built=0
+  run_step build "${H200_BUILD_S:-300}" "${#targets[@]} targets, -j$jobs" "$cmake_bin" --build "$build" -j "$jobs" --target "${targets[@]}" || built=0
 else
   record build SKIP 0 "configure failed"; built=0
 fi

@@ -43,7 +43,7 @@ at::Tensor PlainMoEImpl::forward(const at::Tensor& x) {
                     : std::numeric_limits<double>::infinity();
   last_counts = at::bincount(last_ids.reshape({-1}), {}, E);
   const at::Tensor weights = scores.gather(1, last_ids);
-  at::Tensor out = at::zeros({t.size(0), t.size(1)}, at::kFloat);
+  at::Tensor out = at::zeros({t.size(0), t.size(1)}, t.options().dtype(at::kFloat));
   // Expert by expert: each token's terms are added in increasing expert id.
   for (int64_t e = 0; e < E; ++e) {
     const at::Tensor chose = last_ids == e;  // [T, K], at most one true per row

@@ -405,7 +405,7 @@ class MoELlmCase : public Case {
 
   // From the full gradients alone (the baselines' experts are not sharded).
   static at::Tensor plain_expert_norms(const models::PlainExpertsImpl& experts) {
-    at::Tensor sq = at::zeros({experts.w1.size(0)}, at::kDouble);
+    at::Tensor sq = at::zeros({experts.w1.size(0)}, experts.w1.options().dtype(at::kDouble));
     for (const at::Tensor* w : {&experts.w1, &experts.w2, &experts.w3}) {
       if (w->grad().defined()) {
         sq += w->grad().to(at::kDouble).pow(2).reshape({w->size(0), -1}).sum(1);

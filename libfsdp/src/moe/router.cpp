@@ -89,10 +89,11 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x) {
   // summed over the data-parallel domain.
   const int64_t E = num_experts;
   const at::Tensor prob_sum = out.scores.sum(0);  // differentiable, this rank's tokens
-  at::Tensor stats = at::cat({out.counts.to(at::kDouble), prob_sum.detach().to(at::kDouble),
-                              at::full({1}, static_cast<double>(x.size(0)), at::kDouble)})
-                         .to(x.device())
-                         .contiguous();
+  // Every piece on x's device: cat refuses a CPU tensor among CUDA ones
+  // (the first H200 run failed here).
+  at::Tensor stats =
+      at::cat({out.counts.to(at::kDouble), prob_sum.detach().to(at::kDouble),
+               at::full({1}, static_cast<double>(x.size(0)), x.options().dtype(at::kDouble))});
   int64_t world = 1;
   if (options.aux_stats_mesh) {
     sum_over(stats, *options.aux_stats_mesh);
