@@ -1,4 +1,4 @@
-// L0: libfsdp's own CPU collective algorithms (ring, pairwise; fsdp/comm.h
+// L0: libfsdp's own CPU collective algorithms (ring, pairwise, shm; fsdp/comm.h
 // CpuCollectives) against references computed from every rank's input.
 //
 // The inputs are exchanged with a raw MPI_Allgather on a private duplicate
@@ -7,7 +7,7 @@
 //   - against the sum (or max) in double: within the accumulation type's
 //     rounding bound, and for 16-bit types at 2 ranks exactly rounded;
 //   - bitwise against the documented reduction order, computed here with
-//     plain ATen ops: pairwise sums ranks 0, 1, ..., N-1 in order, ring
+//     plain ATen ops: pairwise and shm sum ranks 0, 1, ..., N-1 in order, ring
 //     sums block b from rank b+1 round to rank b, both in float32 for
 //     16-bit types, AVG dividing there, with one final rounding;
 //   - rerun bitwise identical, and for all-reduce the same bits on every
@@ -26,6 +26,7 @@
 
 #include <mpi.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,9 @@ double error_ratio(const at::Tensor& got, const at::Tensor& rows, ReduceOp op) {
   return (err / bound).max().item<double>();
 }
 
+// libfsdp's own algorithms. Shm reduces in pairwise's order (same bits).
+const std::vector<CpuAlgorithm> kOwnAlgorithms{CpuAlgorithm::Ring, CpuAlgorithm::Pairwise,
+                                               CpuAlgorithm::Shm};
 const std::vector<c10::ScalarType> kFloatTypes{at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
 const std::vector<c10::ScalarType> kAllTypes{at::kFloat, at::kDouble, at::kBFloat16,
                                              at::kHalf,  at::kInt,    at::kLong};
@@ -216,7 +220,7 @@ void check_all_reduce(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType 
 
 BOOST_AUTO_TEST_CASE(reduce_scatter_every_algorithm_dtype_op_and_size) {
   KeepSettings keep;
-  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+  for (auto a : kOwnAlgorithms) {
     for (const auto& g : groups()) {
       for (auto t : kAllTypes) {
         for (int64_t block : kBlocks) {
@@ -232,7 +236,7 @@ BOOST_AUTO_TEST_CASE(reduce_scatter_every_algorithm_dtype_op_and_size) {
 
 BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {
   KeepSettings keep;
-  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+  for (auto a : kOwnAlgorithms) {
     for (const auto& g : groups()) {
       for (auto t : kAllTypes) {
         for (int64_t block : kBlocks) check_all_gather(a, g, t, block, /*in_place=*/false);
@@ -246,7 +250,7 @@ BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {
 // exact overlap, so the case checks results, not the flag).
 BOOST_AUTO_TEST_CASE(all_gather_in_place_every_algorithm) {
   KeepSettings keep;
-  for (auto a : {CpuAlgorithm::Mpi, CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+  for (auto a : {CpuAlgorithm::Mpi, CpuAlgorithm::Ring, CpuAlgorithm::Pairwise, CpuAlgorithm::Shm}) {
     for (const auto& g : groups()) {
       for (auto t : {at::kFloat, at::kBFloat16, at::kLong}) {
         for (int64_t block : kBlocks) check_all_gather(a, g, t, block, /*in_place=*/true);
@@ -277,7 +281,7 @@ BOOST_AUTO_TEST_CASE(all_reduce_every_algorithm_dtype_op_and_uneven_size) {
   KeepSettings keep;
   const int64_t n = spmd::world_size();
   // Fewer elements than ranks (empty blocks), uneven, and past the chunk.
-  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+  for (auto a : kOwnAlgorithms) {
     for (const auto& g : groups()) {
       for (auto t : kAllTypes) {
         for (int64_t numel : {int64_t{1}, n + 1, 1000 * n + 1, 140001 * n + n - 1}) {
@@ -293,7 +297,7 @@ BOOST_AUTO_TEST_CASE(all_reduce_every_algorithm_dtype_op_and_uneven_size) {
 
 BOOST_AUTO_TEST_CASE(max_propagates_nan) {
   KeepSettings keep;
-  for (auto a : {CpuAlgorithm::Ring, CpuAlgorithm::Pairwise}) {
+  for (auto a : kOwnAlgorithms) {
     for (auto t : kFloatTypes) {
       at::Tensor x = at::zeros({8}, at::TensorOptions(t));
       if (spmd::rank() == spmd::world_size() - 1) x[3] = std::numeric_limits<double>::quiet_NaN();
@@ -314,7 +318,7 @@ BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {
   std::vector<at::Tensor> ins, outs;
   std::vector<fsdp::WorkPtr> works;
   for (int k = 0; k < 6; ++k) {
-    use(k % 2 == 0 ? CpuAlgorithm::Ring : CpuAlgorithm::Pairwise);
+    use(kOwnAlgorithms[static_cast<size_t>(k) % kOwnAlgorithms.size()]);
     ins.push_back(input(at::kFloat, 70001 * n, k));
     outs.push_back(at::empty({70001}, at::kFloat));
     works.push_back(g->reduce_scatter_tensor(outs.back(), ins.back(), ReduceOp::SUM, true));
@@ -328,10 +332,13 @@ BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {
 }
 
 BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {
-  // Auto runs pairwise from a collective's own threshold up and Open MPI's
-  // below it. At 3+ ranks the two round 16-bit sums differently: pairwise
-  // sums in float32 and rounds once, Open MPI's op rounds every partial sum,
-  // so the bits tell which ran. (At 2 ranks both round once.)
+  // Auto runs Open MPI's below a collective's pairwise threshold, pairwise
+  // from it, and -- on a group with a shared-memory arena -- shm inside the
+  // collective's shm band or whenever every rank's operand is in shared
+  // memory. At 3+ ranks the bits tell Open MPI's from ours: pairwise and
+  // shm sum 16-bit values in float32 and round once, Open MPI's op rounds
+  // every partial sum (at 2 ranks both round once). Shm with a plain input
+  // stages it, which the arena's peak shows.
   KeepSettings keep;
   const auto g = fsdp::world_group();
   const int n = g->size();
@@ -340,22 +347,54 @@ BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {
   const at::Tensor in = input(at::kBFloat16, block * n, 1);
   const at::Tensor rows = gather_world(in).view({n, n, block}).select(1, g->rank());
   const at::Tensor pairwise = fold(rows, order_of(CpuAlgorithm::Pairwise, 0, n), ReduceOp::SUM);
-  auto reduce_scatter_with = [&](const fsdp::CpuCollectives& s) {
+  auto reduce_scatter_with = [&](const fsdp::CpuCollectives& s, const at::Tensor& from) {
     fsdp::set_cpu_collectives(s);
     at::Tensor out = at::empty({block}, in.options());
-    g->reduce_scatter_tensor(out, in, ReduceOp::SUM);
-    return out;
+    fsdp::reset_shared_memory_peak();
+    const int64_t before = fsdp::shared_memory_stats().in_use;
+    g->reduce_scatter_tensor(out, from, ReduceOp::SUM);
+    const bool staged = fsdp::shared_memory_stats().peak_in_use > before;
+    return std::pair(out, staged);
   };
-  // bfloat16 reduce-scatter: its threshold is half_reduce_min_bytes.
-  fsdp::CpuCollectives above{CpuAlgorithm::Auto, bytes + 1, bytes + 1, bytes + 1, bytes};
-  fsdp::CpuCollectives below{CpuAlgorithm::Auto, 0, 0, 0, bytes + 1};
+  // bfloat16 reduce-scatter: its pairwise threshold is half_reduce_min_bytes.
+  auto settings = [](int64_t pairwise_from, int64_t shm_from, int64_t shm_below) {
+    fsdp::CpuCollectives s{CpuAlgorithm::Auto, pairwise_from, pairwise_from, pairwise_from,
+                           pairwise_from};
+    s.all_gather_shm_min_bytes = s.reduce_scatter_shm_min_bytes = s.all_reduce_shm_min_bytes =
+        shm_from;
+    s.all_gather_shm_max_bytes = s.reduce_scatter_shm_max_bytes = s.all_reduce_shm_max_bytes =
+        shm_below;
+    return s;
+  };
+  const fsdp::CpuCollectives above = settings(bytes, 0, 0);      // no shm band
+  const fsdp::CpuCollectives below = settings(bytes + 1, 0, 0);  // no shm band
+  const fsdp::CpuCollectives in_band = settings(bytes + 1, bytes, bytes + 1);
   BOOST_TEST(error_ratio(pairwise, rows, ReduceOp::SUM) <= 1.0);
-  BOOST_TEST(at::equal(reduce_scatter_with(above), pairwise), "auto at its threshold: pairwise");
-  const at::Tensor mpi = reduce_scatter_with({CpuAlgorithm::Mpi, 0, 0, 0, 0});
-  const at::Tensor auto_below = reduce_scatter_with(below);
+  const auto [at_threshold, staged_pairwise] = reduce_scatter_with(above, in);
+  BOOST_TEST(at::equal(at_threshold, pairwise), "auto at its threshold: pairwise");
+  BOOST_TEST(!staged_pairwise, "pairwise used shared memory");
+  const auto [mpi, staged_mpi] = reduce_scatter_with({CpuAlgorithm::Mpi, 0, 0, 0, 0}, in);
+  const auto [auto_below, staged_below] = reduce_scatter_with(below, in);
   BOOST_TEST(at::equal(auto_below, mpi), "auto below its threshold: Open MPI's");
+  BOOST_TEST((!staged_mpi && !staged_below), "Open MPI's path used shared memory");
   if (n >= 3) {
     BOOST_TEST(!at::equal(mpi, pairwise), "the inputs must tell the two apart at 3+ ranks");
+  }
+  const auto [shm, staged_shm] = reduce_scatter_with(in_band, in);
+  BOOST_TEST(at::equal(shm, pairwise), "auto inside its shm band: shm (pairwise's bits)");
+  BOOST_TEST(staged_shm, "auto inside its shm band did not stage its input: not shm");
+  // An input from empty_for_collectives on every rank: shm below every
+  // threshold, reading it where it is.
+  at::Tensor shared = g->empty_for_collectives({block * n}, in.options());
+  shared.copy_(in);
+  const auto [from_shared, staged_shared] = reduce_scatter_with(below, shared);
+  BOOST_TEST(!staged_shared, "a shared-memory input was staged");
+  if (n >= 3) {
+    BOOST_TEST(at::equal(from_shared, pairwise), "shared-memory input below the thresholds: shm");
+  } else {
+    BOOST_TEST(at::equal(from_shared, mpi));
+    BOOST_TEST_MESSAGE("at 2 ranks Open MPI's bits equal shm's: the np 3 and 4 entries tell "
+                       "that a shared-memory input ran shm");
   }
   // All-gathers move bits: auto on either side agrees with Open MPI's.
   at::Tensor a = at::empty({block * n}, in.options()), b = at::empty_like(a);
@@ -366,6 +405,107 @@ BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {
   BOOST_TEST(at::equal(a, b));
 }
 
+// fully_shard's reduce-scatter inputs come from empty_for_collectives: shm
+// must read them where they are. The arena's peak in-use bytes tell: a
+// staged input raises it by the peers' blocks, an input read in place by
+// nothing. The plain-memory case checks that the statistic does see staging.
+BOOST_AUTO_TEST_CASE(shm_reads_shared_memory_inputs_in_place) {
+  KeepSettings keep;
+  use(CpuAlgorithm::Shm);
+  const int64_t block = 70001;
+  for (const auto& g : groups()) {
+    const int n = g->size();
+    const std::string where = " on " + g->name();
+    BOOST_REQUIRE_MESSAGE(fsdp::shared_memory_stats().committed > 0,
+                          "no shared-memory arena on one node" << where);
+    const at::Tensor values = input(at::kFloat, block * n, 5);
+    const at::Tensor rows = group_rows(gather_world(values), g).view({n, n, block});
+    const at::Tensor want = fold(rows.select(1, g->rank()), order_of(CpuAlgorithm::Shm, 0, n),
+                                 ReduceOp::SUM);
+    const int64_t staged = static_cast<int64_t>(values.nbytes());
+
+    at::Tensor shared = g->empty_for_collectives({block * n}, values.options());
+    shared.copy_(values);
+    at::Tensor out = at::empty({block}, values.options());
+    fsdp::reset_shared_memory_peak();
+    const int64_t before = fsdp::shared_memory_stats().in_use;
+    BOOST_TEST(before >= staged, "the input is not in shared memory" << where);
+    g->reduce_scatter_tensor(out, shared, ReduceOp::SUM);
+    BOOST_TEST(fsdp::shared_memory_stats().peak_in_use == before,
+               "reduce-scatter staged a shared-memory input" << where);
+    BOOST_TEST(at::equal(out, want), "reduce-scatter in place" << where);
+
+    fsdp::reset_shared_memory_peak();
+    g->reduce_scatter_tensor(out, values, ReduceOp::SUM);
+    BOOST_TEST(fsdp::shared_memory_stats().peak_in_use >= before + staged * (n - 1) / n,
+               "a plain input was not staged, or the statistic misses it" << where);
+    BOOST_TEST(at::equal(out, want), "reduce-scatter staged" << where);
+
+    // All-gather in place into shared memory: nothing staged either.
+    at::Tensor gathered = g->empty_for_collectives({block * n}, values.options());
+    const at::Tensor mine = gathered.narrow(0, g->rank() * block, block);
+    mine.copy_(values.narrow(0, 0, block));
+    fsdp::reset_shared_memory_peak();
+    const int64_t held = fsdp::shared_memory_stats().in_use;
+    g->all_gather_into_tensor(gathered, mine);
+    BOOST_TEST(fsdp::shared_memory_stats().peak_in_use == held,
+               "all-gather staged a shared-memory input" << where);
+    const at::Tensor blocks = group_rows(gather_world(values.narrow(0, 0, block).contiguous()), g);
+    BOOST_TEST(at::equal(gathered, blocks.reshape({-1})), "all-gather in place" << where);
+  }
+}
+
+// Run by the entry test_cpu_collectives_shm_full_np3, whose FSDP_SHM_BYTES
+// caps every arena at 1 MiB: rank 0 fills its arena, so it cannot stage
+// while its peers can. Every rank must then fall back to pairwise together
+// (a rank running shm alone would wait for ever), with pairwise's bits.
+BOOST_AUTO_TEST_CASE(shm_falls_back_together_when_one_rank_has_no_room,
+                     *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
+                       const char* cap = std::getenv("FSDP_SHM_BYTES");
+                       const bool capped = cap != nullptr && std::string(cap) == "1048576";
+                       boost::test_tools::assertion_result ok(capped);
+                       ok.message() << "needs FSDP_SHM_BYTES=1048576, which the entry "
+                                       "test_cpu_collectives_shm_full_np3 sets";
+                       return ok;
+                     })) {
+  KeepSettings keep;
+  const auto g = fsdp::world_group();
+  const int n = g->size();
+  // Every arena reserves 2 MiB (1 MiB and its control page, in 2 MiB steps).
+  at::Tensor hog;
+  if (g->rank() == 0) {
+    hog = g->empty_for_collectives({(1 << 20) + (1 << 19)}, at::kByte);
+    hog.fill_(1);
+    BOOST_TEST(fsdp::shared_memory_stats().in_use >= hog.numel(), "the hog is not shared");
+    // Past the cap, empty_for_collectives hands out plain memory instead.
+    const int64_t in_use = fsdp::shared_memory_stats().in_use;
+    at::Tensor plain = g->empty_for_collectives({1 << 20}, at::kByte);
+    plain.fill_(2);
+    BOOST_TEST(fsdp::shared_memory_stats().in_use == in_use, "past the cap: still shared?");
+    BOOST_TEST(plain.sum().item<int64_t>() == 2 << 20);
+  }
+  const int64_t block = 100000;  // 1.2 MB to stage at np 3: rank 0 has no room
+  const at::Tensor in = input(at::kFloat, block * n, 9);
+  const at::Tensor rows = gather_world(in).view({n, n, block}).select(1, g->rank());
+  const at::Tensor want = fold(rows, order_of(CpuAlgorithm::Pairwise, 0, n), ReduceOp::SUM);
+  at::Tensor shm = at::empty({block}, at::kFloat), pairwise = at::empty_like(shm);
+  use(CpuAlgorithm::Shm);
+  const int64_t in_use = fsdp::shared_memory_stats().in_use;
+  g->reduce_scatter_tensor(shm, in, ReduceOp::SUM);
+  BOOST_TEST(at::equal(shm, want), "shm falling back");
+  BOOST_TEST(fsdp::shared_memory_stats().in_use == in_use, "a staging block was not freed");
+  use(CpuAlgorithm::Pairwise);
+  g->reduce_scatter_tensor(pairwise, in, ReduceOp::SUM);
+  BOOST_TEST(at::equal(shm, pairwise));
+  // A small one still fits everywhere and runs through shared memory.
+  use(CpuAlgorithm::Shm);
+  at::Tensor small = at::empty({1000}, at::kFloat);
+  g->reduce_scatter_tensor(small, in.narrow(0, 0, 1000 * n), ReduceOp::SUM);
+  const at::Tensor small_rows =
+      gather_world(in.narrow(0, 0, 1000 * n).contiguous()).view({n, n, 1000}).select(1, g->rank());
+  BOOST_TEST(at::equal(small, fold(small_rows, order_of(CpuAlgorithm::Shm, 0, n), ReduceOp::SUM)));
+}
+
 BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {
   KeepSettings keep;
   try {
@@ -373,19 +513,27 @@ BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {
     BOOST_FAIL("an unknown algorithm name was accepted");
   } catch (const fsdp::ArgumentError& e) {
     BOOST_TEST(e.argument() == "FSDP_MPI_ALGO");
-    BOOST_TEST(std::string(e.what()).find("auto, mpi, ring, pairwise") != std::string::npos,
+    BOOST_TEST(std::string(e.what()).find("auto, mpi, ring, pairwise, shm") != std::string::npos,
                e.what());
   }
-  for (const char* name : {"auto", "mpi", "ring", "pairwise"}) {
+  for (const char* name : {"auto", "mpi", "ring", "pairwise", "shm"}) {
     BOOST_TEST(fsdp::to_string(fsdp::parse_cpu_algorithm(name, "x")) == name);
   }
-  for (int field = 0; field < 4; ++field) {
-    fsdp::CpuCollectives bad;
-    const char* name = "all_gather_min_bytes";
-    if (field == 0) bad.all_gather_min_bytes = -1;
-    if (field == 1) bad.reduce_scatter_min_bytes = -1, name = "reduce_scatter_min_bytes";
-    if (field == 2) bad.all_reduce_min_bytes = -1, name = "all_reduce_min_bytes";
-    if (field == 3) bad.half_reduce_min_bytes = -1, name = "half_reduce_min_bytes";
+  using C = fsdp::CpuCollectives;
+  const std::pair<const char*, int64_t C::*> fields[] = {
+      {"all_gather_min_bytes", &C::all_gather_min_bytes},
+      {"reduce_scatter_min_bytes", &C::reduce_scatter_min_bytes},
+      {"all_reduce_min_bytes", &C::all_reduce_min_bytes},
+      {"half_reduce_min_bytes", &C::half_reduce_min_bytes},
+      {"all_gather_shm_min_bytes", &C::all_gather_shm_min_bytes},
+      {"all_gather_shm_max_bytes", &C::all_gather_shm_max_bytes},
+      {"reduce_scatter_shm_min_bytes", &C::reduce_scatter_shm_min_bytes},
+      {"reduce_scatter_shm_max_bytes", &C::reduce_scatter_shm_max_bytes},
+      {"all_reduce_shm_min_bytes", &C::all_reduce_shm_min_bytes},
+      {"all_reduce_shm_max_bytes", &C::all_reduce_shm_max_bytes}};
+  for (const auto& [name, field] : fields) {
+    C bad;
+    bad.*field = -1;
     try {
       fsdp::set_cpu_collectives(bad);
       BOOST_FAIL("a negative " << name << " was accepted");

@@ -43,13 +43,14 @@ std::string to_string(ReduceOp op);
 // How the MPI backend runs all_gather_into_tensor, reduce_scatter_tensor and
 // all_reduce of CPU tensors (README, "CPU collectives").
 enum class CpuAlgorithm {
-  Auto,      // Pairwise from a collective's threshold up (CpuCollectives), Open MPI's below
+  Auto,      // by size and memory (CpuCollectives), README "CPU collectives"
   Mpi,       // Open MPI's collectives
   Ring,      // a ring over point-to-point: N-1 steps with the two neighbours
   Pairwise,  // a direct exchange with every peer; reductions in rank order
+  Shm,       // through shared memory on one node (Pairwise where the group spans nodes)
 };
 std::string to_string(CpuAlgorithm a);
-// "auto", "mpi", "ring", "pairwise"; ArgumentError naming `argument` and the
+// "auto", "mpi", "ring", "pairwise", "shm"; ArgumentError naming `argument` and the
 // accepted names otherwise.
 CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& argument);
 
@@ -66,15 +67,29 @@ struct CpuCollectives {
   // bfloat16/float16 reduce-scatter and all-reduce: Open MPI reduces them
   // with libfsdp's scalar user op, so pairwise wins from small blocks on.
   int64_t half_reduce_min_bytes = 32 << 10;
+  // Auto on a group with a shared-memory arena (its ranks on one node): shm
+  // for a block in [*_shm_min_bytes, *_shm_max_bytes) -- the rules above
+  // outside it -- and at every size when every rank's operand (all-gather
+  // output, reduce-scatter input) comes from empty_for_collectives, where
+  // shm copies nothing in. Measured on 2 cores at np 2 and 4 (README).
+  int64_t all_gather_shm_min_bytes = 512 << 10;
+  int64_t all_gather_shm_max_bytes = 4 << 20;
+  int64_t reduce_scatter_shm_min_bytes = 8 << 10;
+  int64_t reduce_scatter_shm_max_bytes = 2 << 20;
+  int64_t all_reduce_shm_min_bytes = 4 << 10;
+  int64_t all_reduce_shm_max_bytes = 512 << 10;
 };
 // Process-wide; read when a collective is issued (queued ones keep their
 // choice). Every rank must set the same value at the same point between
 // collectives: the ranks of a group must run the same algorithm. The Runtime
 // sets it at start-up from RuntimeOptions::cpu_collectives, else
-// $FSDP_MPI_ALGO and $FSDP_MPI_ALGO_MIN_BYTES (one threshold for all).
+// $FSDP_MPI_ALGO and $FSDP_MPI_ALGO_MIN_BYTES (every *_min_bytes).
 // ArgumentError naming the field for a negative threshold.
 void set_cpu_collectives(const CpuCollectives& settings);
 CpuCollectives cpu_collectives();
+// "auto (shm: all-gather 512K..4M, ...; pairwise from ...; Open MPI's
+// below)", or the fixed algorithm's name: what banners and benchmarks print.
+std::string to_string(const CpuCollectives& settings);
 
 // Handle of an issued collective.
 class Work {
@@ -161,8 +176,31 @@ class ProcessGroup {
   virtual std::vector<WorkPtr> batch_isend_irecv(std::vector<P2POp> ops) = 0;
   // Returns once every rank of the group has entered the barrier.
   virtual void barrier() = 0;
+
+  // An uninitialised tensor whose memory this group's CPU collectives read
+  // in place: on a group whose ranks share one node, in the group's
+  // shared-memory arena, which the shm algorithm hands to peers without
+  // copying it first (fully_shard allocates its reduce-scatter inputs and
+  // all-gather outputs here). Otherwise -- CUDA tensors, ranks on several
+  // nodes, an arena that cannot grow (FSDP_SHM_BYTES, a full /dev/shm) --
+  // plain at::empty. Freed with the tensor, on any thread.
+  virtual at::Tensor empty_for_collectives(at::IntArrayRef sizes,
+                                           const at::TensorOptions& options);
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+// The shared memory of this process's collective arenas (every group's), in
+// bytes. committed: backing the arenas now (freed blocks stay for reuse until
+// the group ends); in_use: in live tensors and in-flight collectives;
+// peak_in_use: the sum of each arena's peak in use since the last reset (a
+// bound on the most in use at once).
+struct SharedMemoryStats {
+  int64_t committed = 0;
+  int64_t in_use = 0;
+  int64_t peak_in_use = 0;
+};
+SharedMemoryStats shared_memory_stats();
+void reset_shared_memory_peak();
 
 // ---- Per-process collective counters --------------------------------------
 // Each collective issued through a ProcessGroup is counted at issue time, by

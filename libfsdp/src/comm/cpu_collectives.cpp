@@ -23,17 +23,18 @@ std::string to_string(CpuAlgorithm a) {
     case CpuAlgorithm::Mpi: return "mpi";
     case CpuAlgorithm::Ring: return "ring";
     case CpuAlgorithm::Pairwise: return "pairwise";
+    case CpuAlgorithm::Shm: return "shm";
   }
   return "unknown";
 }
 
 CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& argument) {
   for (CpuAlgorithm a : {CpuAlgorithm::Auto, CpuAlgorithm::Mpi, CpuAlgorithm::Ring,
-                         CpuAlgorithm::Pairwise}) {
+                         CpuAlgorithm::Pairwise, CpuAlgorithm::Shm}) {
     if (text == to_string(a)) return a;
   }
   throw ArgumentError(argument, "'" + argument + "' = '" + text +
-                                    "'; accepted: auto, mpi, ring, pairwise");
+                                    "'; accepted: auto, mpi, ring, pairwise, shm");
 }
 
 namespace {
@@ -42,15 +43,11 @@ CpuCollectives g_settings;
 }  // namespace
 
 void set_cpu_collectives(const CpuCollectives& settings) {
-  const std::pair<const char*, int64_t> thresholds[] = {
-      {"all_gather_min_bytes", settings.all_gather_min_bytes},
-      {"reduce_scatter_min_bytes", settings.reduce_scatter_min_bytes},
-      {"all_reduce_min_bytes", settings.all_reduce_min_bytes},
-      {"half_reduce_min_bytes", settings.half_reduce_min_bytes}};
-  for (const auto& [name, value] : thresholds) {
-    if (value < 0) {
+  CpuCollectives checked = settings;
+  for (const auto& [name, value] : detail::cpu::thresholds(checked)) {
+    if (*value < 0) {
       throw ArgumentError(name, std::string("set_cpu_collectives: '") + name + "' = " +
-                                    std::to_string(value) + "; accepted: 0 or more bytes");
+                                    std::to_string(*value) + "; accepted: 0 or more bytes");
     }
   }
   std::lock_guard<std::mutex> lock(g_settings_mu);
@@ -60,6 +57,30 @@ void set_cpu_collectives(const CpuCollectives& settings) {
 CpuCollectives cpu_collectives() {
   std::lock_guard<std::mutex> lock(g_settings_mu);
   return g_settings;
+}
+
+namespace {
+std::string bytes_text(int64_t b) {
+  if (b >= (1 << 20) && b % (1 << 20) == 0) return std::to_string(b >> 20) + "M";
+  if (b >= (1 << 10) && b % (1 << 10) == 0) return std::to_string(b >> 10) + "K";
+  return std::to_string(b) + "B";
+}
+}  // namespace
+
+std::string to_string(const CpuCollectives& s) {
+  if (s.algorithm != CpuAlgorithm::Auto) return to_string(s.algorithm);
+  auto band = [](int64_t from, int64_t below) {
+    return bytes_text(from) + ".." + bytes_text(below);
+  };
+  return "auto (per-peer block; on one node shm for all-gather " +
+         band(s.all_gather_shm_min_bytes, s.all_gather_shm_max_bytes) + ", reduce-scatter " +
+         band(s.reduce_scatter_shm_min_bytes, s.reduce_scatter_shm_max_bytes) +
+         ", all-reduce " + band(s.all_reduce_shm_min_bytes, s.all_reduce_shm_max_bytes) +
+         " and for shared-memory operands; else pairwise from all-gather " +
+         bytes_text(s.all_gather_min_bytes) + ", reduce-scatter " +
+         bytes_text(s.reduce_scatter_min_bytes) + ", all-reduce " +
+         bytes_text(s.all_reduce_min_bytes) + ", 16-bit reductions " +
+         bytes_text(s.half_reduce_min_bytes) + ", Open MPI's below)";
 }
 
 }  // namespace fsdp
@@ -262,11 +283,154 @@ void ring_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out, cons
   narrow(t, out, sending, b.count[p.rank], divisor_of(op, n));
 }
 
+// ---- shm: through the group's shared-memory arena ----------------------------
+
+// Elements of one fold pass: the partial sums stay in cache while every
+// rank's input streams through.
+constexpr int64_t kFoldChunk = 16 * 1024;
+
+// A block of this rank's segment, freed when it goes out of scope (after the
+// collective's last barrier: no peer reads it any more).
+class ArenaBlock {
+ public:
+  explicit ArenaBlock(SharedArena* arena) : arena_(arena) {}
+  ~ArenaBlock() {
+    if (offset_ >= 0) arena_->free(offset_);
+  }
+  ArenaBlock(const ArenaBlock&) = delete;
+  ArenaBlock& operator=(const ArenaBlock&) = delete;
+  int64_t allocate(int64_t bytes) { return offset_ = arena_->allocate(bytes); }
+  int64_t offset() const { return offset_; }
+
+ private:
+  SharedArena* arena_;
+  int64_t offset_ = -1;
+};
+
+// Where this rank's operand (`bytes` at `data`) is in its segment: where it
+// already lives, else a copy in `stage`, followed by `extra` bytes of room;
+// -1 when the segment cannot grow that far.
+int64_t place_in_arena(const Peers& p, const char* data, int64_t bytes, int64_t extra,
+                       ArenaBlock& stage) {
+  if (extra == 0) {
+    const int64_t at = p.arena->offset_of(data, bytes);
+    if (at >= 0) return at;
+  }
+  const int64_t at = stage.allocate(bytes + extra);
+  if (at >= 0) std::memcpy(p.arena->base(p.rank) + at, data, static_cast<size_t>(bytes));
+  return at;
+}
+
+// Every rank's operand offset after a barrier; empty on every rank when some
+// rank could not place its operand (all of them then fall back together).
+std::vector<int64_t> exchange_offsets(const Peers& p, int64_t mine) {
+  std::vector<int64_t> all = p.arena->barrier(mine, p.poll);
+  if (std::any_of(all.begin(), all.end(), [](int64_t o) { return o < 0; })) return {};
+  return all;
+}
+
+// out[0, count) = fold of xs[r][0, count) over r = 0..N-1, pass by pass.
+void shm_fold(const Peers& p, c10::ScalarType t, ReduceOp op, char* out,
+              const std::vector<const char*>& xs, int64_t count) {
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  at::Tensor scratch = acc_type(t) == t ? at::Tensor()
+                                        : at::empty({std::min(kFoldChunk, count)},
+                                                    at::TensorOptions(at::kFloat));
+  std::vector<const void*> at(xs.size());
+  for (int64_t start = 0; start < count; start += kFoldChunk) {
+    const int64_t len = std::min(kFoldChunk, count - start);
+    for (size_t r = 0; r < xs.size(); ++r) at[r] = xs[r] + start * es;
+    fold(t, combine_of(op), out + start * es, at.data(), p.size, len, divisor_of(op, p.size),
+         scratch.defined() ? scratch.data_ptr<float>() : nullptr);
+  }
+}
+
+// False (on every rank, having done nothing) when some rank's segment could
+// not hold its input. Only the peers' blocks are staged: this rank reads its
+// own block where it is.
+bool shm_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out, const char* in,
+                const Blocks& b) {
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  const int64_t bytes = (b.displ.back() + b.count.back()) * es;
+  const int64_t own_at = b.displ[p.rank] * es, own_bytes = b.count[p.rank] * es;
+  ArenaBlock stage(p.arena);
+  int64_t mine = p.arena->offset_of(in, bytes);
+  if (mine < 0 && stage.allocate(bytes) >= 0) {
+    mine = stage.offset();
+    char* s = p.arena->base(p.rank) + mine;
+    std::memcpy(s, in, static_cast<size_t>(own_at));
+    std::memcpy(s + own_at + own_bytes, in + own_at + own_bytes,
+                static_cast<size_t>(bytes - own_at - own_bytes));
+  }
+  const std::vector<int64_t> at = exchange_offsets(p, mine);
+  if (at.empty()) return false;
+  // The fold may write over only its first two operands: an output that is
+  // this rank's input block reads a copy of it.
+  at::Tensor own_copy;
+  const char* own = in + own_at;
+  if (out == own) {
+    own_copy = at::empty({own_bytes}, at::TensorOptions(at::kByte));
+    std::memcpy(own_copy.data_ptr(), own, static_cast<size_t>(own_bytes));
+    own = static_cast<const char*>(own_copy.data_ptr());
+  }
+  std::vector<const char*> xs(static_cast<size_t>(p.size));
+  for (int r = 0; r < p.size; ++r) {
+    xs[static_cast<size_t>(r)] =
+        r == p.rank ? own : p.arena->base(r) + at[static_cast<size_t>(r)] + own_at;
+  }
+  shm_fold(p, t, op, out, xs, b.count[p.rank]);
+  p.arena->barrier(0, p.poll);  // no peer reads this rank's input any more
+  return true;
+}
+
+bool shm_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
+                const Blocks& b) {
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  ArenaBlock stage(p.arena);
+  const std::vector<int64_t> at =
+      exchange_offsets(p, place_in_arena(p, mine, b.count[p.rank] * es, 0, stage));
+  if (at.empty()) return false;
+  place_own_block(p, es, out, mine, b);
+  for (int s = 1; s < p.size; ++s) {
+    const int r = mod(p.rank + s, p.size);
+    std::memcpy(out + b.displ[r] * es, p.arena->base(r) + at[static_cast<size_t>(r)],
+                static_cast<size_t>(b.count[r] * es));
+  }
+  p.arena->barrier(0, p.poll);
+  return true;
+}
+
+// The tensor is read by peers and overwritten here, so it is always staged,
+// with room after it for this rank's reduced block, which peers copy out.
+bool shm_all_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* data,
+                    const Blocks& b) {
+  const auto es = static_cast<int64_t>(c10::elementSize(t));
+  const int64_t bytes = (b.displ.back() + b.count.back()) * es;
+  ArenaBlock stage(p.arena);
+  const std::vector<int64_t> at =
+      exchange_offsets(p, place_in_arena(p, data, bytes, b.max_count() * es, stage));
+  if (at.empty()) return false;
+  auto reduced = [&](int r) { return p.arena->base(r) + at[static_cast<size_t>(r)] + bytes; };
+  std::vector<const char*> xs(static_cast<size_t>(p.size));
+  for (int r = 0; r < p.size; ++r) {
+    xs[static_cast<size_t>(r)] = p.arena->base(r) + at[static_cast<size_t>(r)] +
+                                 b.displ[p.rank] * es;
+  }
+  shm_fold(p, t, op, reduced(p.rank), xs, b.count[p.rank]);
+  p.arena->barrier(0, p.poll);  // every rank's block is reduced
+  for (int s = 0; s < p.size; ++s) {
+    const int r = mod(p.rank + s, p.size);
+    std::memcpy(data + b.displ[r] * es, reduced(r), static_cast<size_t>(b.count[r] * es));
+  }
+  p.arena->barrier(0, p.poll);
+  return true;
+}
+
 void reduce(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, ReduceOp op, char* out,
             const char* in, const Blocks& b) {
   if (algorithm == CpuAlgorithm::Ring) {
     ring_reduce(p, t, op, out, in, b);
-  } else {
+  } else if (algorithm != CpuAlgorithm::Shm || !shm_reduce(p, t, op, out, in, b)) {
     pairwise_reduce(p, t, op, out, in, b);
   }
 }
@@ -275,22 +439,58 @@ void gather(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, char* out
             const char* mine, const Blocks& b) {
   if (algorithm == CpuAlgorithm::Ring) {
     ring_gather(p, t, out, mine, b);
-  } else {
+  } else if (algorithm != CpuAlgorithm::Shm || !shm_gather(p, t, out, mine, b)) {
     pairwise_gather(p, t, out, mine, b);
   }
 }
 
 }  // namespace
 
-CpuAlgorithm choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int size) {
-  if (size == 1) return CpuAlgorithm::Mpi;
+std::vector<std::pair<const char*, int64_t*>> thresholds(CpuCollectives& s) {
+  return {{"all_gather_min_bytes", &s.all_gather_min_bytes},
+          {"reduce_scatter_min_bytes", &s.reduce_scatter_min_bytes},
+          {"all_reduce_min_bytes", &s.all_reduce_min_bytes},
+          {"half_reduce_min_bytes", &s.half_reduce_min_bytes},
+          {"all_gather_shm_min_bytes", &s.all_gather_shm_min_bytes},
+          {"all_gather_shm_max_bytes", &s.all_gather_shm_max_bytes},
+          {"reduce_scatter_shm_min_bytes", &s.reduce_scatter_shm_min_bytes},
+          {"reduce_scatter_shm_max_bytes", &s.reduce_scatter_shm_max_bytes},
+          {"all_reduce_shm_min_bytes", &s.all_reduce_shm_min_bytes},
+          {"all_reduce_shm_max_bytes", &s.all_reduce_shm_max_bytes}};
+}
+
+Choice choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int size,
+              bool has_arena) {
+  if (size == 1) return {};
   const CpuCollectives s = cpu_collectives();
-  if (s.algorithm != CpuAlgorithm::Auto) return s.algorithm;
-  int64_t from = op == Collective::AllGather       ? s.all_gather_min_bytes
+  if (s.algorithm != CpuAlgorithm::Auto) {
+    const CpuAlgorithm a =
+        s.algorithm == CpuAlgorithm::Shm && !has_arena ? CpuAlgorithm::Pairwise : s.algorithm;
+    return {a, a};
+  }
+  const bool gather = op == Collective::AllGather;
+  int64_t from = gather                             ? s.all_gather_min_bytes
                  : op == Collective::ReduceScatter ? s.reduce_scatter_min_bytes
                                                    : s.all_reduce_min_bytes;
-  if (op != Collective::AllGather && acc_type(dtype) != dtype) from = s.half_reduce_min_bytes;
-  return block_bytes >= from ? CpuAlgorithm::Pairwise : CpuAlgorithm::Mpi;
+  if (!gather && acc_type(dtype) != dtype) from = s.half_reduce_min_bytes;
+  Choice c;
+  c.plain = block_bytes >= from ? CpuAlgorithm::Pairwise : CpuAlgorithm::Mpi;
+  c.shared = c.plain;
+  if (!has_arena) return c;
+  const auto [shm_from, shm_below] =
+      gather ? std::pair(s.all_gather_shm_min_bytes, s.all_gather_shm_max_bytes)
+      : op == Collective::ReduceScatter
+          ? std::pair(s.reduce_scatter_shm_min_bytes, s.reduce_scatter_shm_max_bytes)
+          : std::pair(s.all_reduce_shm_min_bytes, s.all_reduce_shm_max_bytes);
+  if (block_bytes >= shm_from && block_bytes < shm_below) c.plain = CpuAlgorithm::Shm;
+  // All-reduce overwrites its operand, so shm stages it wherever it lives.
+  c.shared = op == Collective::AllReduce ? c.plain : CpuAlgorithm::Shm;
+  return c;
+}
+
+bool operands_shared(const Peers& p, const void* data, int64_t bytes) {
+  const std::vector<int64_t>& all = p.arena->barrier(p.arena->offset_of(data, bytes), p.poll);
+  return std::none_of(all.begin(), all.end(), [](int64_t o) { return o < 0; });
 }
 
 void wait_requests(MPI_Request* requests, int n, bool poll, const char* what) {
@@ -328,6 +528,10 @@ void reduce_scatter(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& ou
 void all_reduce(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& t, ReduceOp op) {
   const Blocks b = split_blocks(t.numel(), p.size);
   const auto es = static_cast<int64_t>(c10::elementSize(t.scalar_type()));
+  if (algorithm == CpuAlgorithm::Shm) {
+    if (shm_all_reduce(p, t.scalar_type(), op, bytes(t), b)) return;
+    algorithm = CpuAlgorithm::Pairwise;
+  }
   char* own = bytes(t) + b.displ[p.rank] * es;
   reduce(p, algorithm, t.scalar_type(), op, own, bytes(t), b);
   gather(p, algorithm, t.scalar_type(), bytes(t), own, b);

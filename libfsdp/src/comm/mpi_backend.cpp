@@ -103,9 +103,15 @@ class MpiBackend final : public Backend {
     check_mpi(MPI_Comm_dup(comm_, &peers_.comm), "MPI_Comm_dup");
     peers_.size = size_;
     peers_.poll = poll_;
+    // Collective, as this constructor is (group creation). Without an arena
+    // (ranks on several nodes, no usable /dev/shm) shm runs as pairwise.
+    std::string why;
+    arena_ = cpu::SharedArena::create(comm_, &why);
+    peers_.arena = arena_.get();
   }
   ~MpiBackend() override {
     thread_.reset();  // drain and join before the communicators go
+    arena_.reset();
     MPI_Comm_free(&peers_.comm);
     MPI_Comm_free(&comm_);
   }
@@ -113,15 +119,15 @@ class MpiBackend final : public Backend {
   WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const int count = to_int(in.numel(), "input");
-    const CpuAlgorithm algorithm =
-        cpu::choose(cpu::Collective::AllGather, in.scalar_type(),
-                    static_cast<int64_t>(in.nbytes()), size_);
-    if (algorithm != CpuAlgorithm::Mpi) {
-      return submit("all_gather", in, count, -1, async_op, [this, out, in, algorithm] {
+    const cpu::Choice choice = cpu::choose(cpu::Collective::AllGather, in.scalar_type(),
+                                           static_cast<int64_t>(in.nbytes()), size_,
+                                           arena_ != nullptr);
+    return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count, choice] {
+      const CpuAlgorithm algorithm = resolve(choice, in);
+      if (algorithm != CpuAlgorithm::Mpi) {
         cpu::all_gather(peers_, algorithm, out, in);
-      });
-    }
-    return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count] {
+        return;
+      }
       // MPI forbids a send buffer inside the receive buffer: in place is
       // MPI_IN_PLACE (ProcessGroupImpl let only this rank's block through).
       const void* send = is_own_gather_block(out, in, peers_.rank) ? MPI_IN_PLACE : in.data_ptr();
@@ -141,11 +147,12 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(in.scalar_type(), "input");
     const MPI_Op mop = mpi_op(op, in.scalar_type());
     const int count = to_int(out.numel(), "output");
-    const CpuAlgorithm algorithm =
-        cpu::choose(cpu::Collective::ReduceScatter, in.scalar_type(),
-                    static_cast<int64_t>(out.nbytes()), size_);
+    const cpu::Choice choice = cpu::choose(cpu::Collective::ReduceScatter, in.scalar_type(),
+                                           static_cast<int64_t>(out.nbytes()), size_,
+                                           arena_ != nullptr);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
-                  [this, out, in, dt, mop, count, op, algorithm] {
+                  [this, out, in, dt, mop, count, op, choice] {
+      const CpuAlgorithm algorithm = resolve(choice, in);
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::reduce_scatter(peers_, algorithm, out, in, op);  // AVG divides inside
         return;
@@ -168,9 +175,11 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const MPI_Op mop = mpi_op(op, t.scalar_type());
     const int count = to_int(t.numel(), "tensor");
+    // Never the shared choice: all-reduce stages its operand wherever it lives.
     const CpuAlgorithm algorithm =
         cpu::choose(cpu::Collective::AllReduce, t.scalar_type(),
-                    static_cast<int64_t>(t.nbytes()) / size_, size_);
+                    static_cast<int64_t>(t.nbytes()) / size_, size_, arena_ != nullptr)
+            .plain;
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
                   [this, t, dt, mop, count, op, algorithm] {
       if (algorithm != CpuAlgorithm::Mpi) {
@@ -255,6 +264,11 @@ class MpiBackend final : public Backend {
     return works;
   }
 
+  at::Tensor empty_for_collectives(at::IntArrayRef sizes,
+                                   const at::TensorOptions& options) override {
+    return cpu::empty_in_arena(arena_, sizes, options);
+  }
+
   void barrier() override {
     submit("barrier", at::Tensor(), 0, -1, false,
            [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
@@ -266,6 +280,16 @@ class MpiBackend final : public Backend {
     auto work = std::make_shared<RequestWork>(request, std::move(t), std::move(info));
     if (!async_op) work->wait();
     return work;
+  }
+
+  // Runs on the comm thread: the choice's shared algorithm when every
+  // rank's operand lies in its arena (one barrier finds out), else the
+  // plain one.
+  CpuAlgorithm resolve(const cpu::Choice& c, const at::Tensor& operand) {
+    if (c.shared == c.plain) return c.plain;
+    return cpu::operands_shared(peers_, operand.data_ptr(), static_cast<int64_t>(operand.nbytes()))
+               ? c.shared
+               : c.plain;
   }
 
   WorkInfo describe(const char* op, const at::Tensor& payload) {
@@ -301,6 +325,7 @@ class MpiBackend final : public Backend {
   CollectiveCheck* check_;  // FSDP_DEBUG=detail, else null; owned by the group
   int size_ = 1;
   cpu::Peers peers_;  // libfsdp's own algorithms: a duplicate of comm_
+  std::shared_ptr<cpu::SharedArena> arena_;  // peers_.arena; null: none
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
 };

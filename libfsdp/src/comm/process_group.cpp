@@ -3,6 +3,8 @@
 #include "fsdp/errors.h"
 #include "comm/process_group.h"
 
+#include <ATen/ops/empty.h>
+
 #include <algorithm>
 #include <numeric>
 #include <sstream>
@@ -414,6 +416,21 @@ std::vector<WorkPtr> ProcessGroupImpl::batch_isend_irecv(std::vector<P2POp> ops)
   std::vector<WorkPtr> out(ops.size());
   for (size_t k = 0; k < order.size(); ++k) out[order[k]] = issued[k];
   return out;
+}
+
+at::Tensor Backend::empty_for_collectives(at::IntArrayRef sizes,
+                                          const at::TensorOptions& options) {
+  return at::empty(sizes, options);
+}
+
+at::Tensor ProcessGroupImpl::empty_for_collectives(at::IntArrayRef sizes,
+                                                   const at::TensorOptions& options) {
+  Backend* b = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(backends_mu_);
+    if (!closed_ && options.device().is_cpu()) b = mpi_.get();
+  }
+  return b != nullptr ? b->empty_for_collectives(sizes, options) : at::empty(sizes, options);
 }
 
 void ProcessGroupImpl::barrier() {

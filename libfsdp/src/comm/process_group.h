@@ -115,6 +115,9 @@ class Backend {
   // peer); returns their Works in that order.
   virtual std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) = 0;
   virtual void barrier() = 0;
+  // See ProcessGroup::empty_for_collectives; plain at::empty by default.
+  virtual at::Tensor empty_for_collectives(at::IntArrayRef sizes,
+                                           const at::TensorOptions& options);
 };
 
 // MPI transport for CPU tensors over `comm` (owned: freed on destruction).
@@ -160,6 +163,8 @@ class ProcessGroupImpl final : public ProcessGroup {
   WorkPtr recv(at::Tensor tensor, int src, int tag, bool async_op) override;
   std::vector<WorkPtr> batch_isend_irecv(std::vector<P2POp> ops) override;
   void barrier() override;
+  at::Tensor empty_for_collectives(at::IntArrayRef sizes,
+                                   const at::TensorOptions& options) override;
 
   // Frees the backends and the communicator; later calls throw StateError.
   void shutdown();

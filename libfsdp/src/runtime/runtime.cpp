@@ -4,6 +4,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/mesh.h"
 #include "fsdp/trace.h"
+#include "comm/cpu_collectives.h"
 #include "comm/process_group.h"
 #include "runtime/device_binding.h"
 #include "runtime/torch_compat.h"
@@ -23,6 +24,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -90,15 +92,15 @@ bool check_collectives_from(const std::optional<bool>& option) {
 
 CpuCollectives cpu_collectives_from(const std::optional<CpuCollectives>& option) {
   if (option) {
-    for (int64_t v : {option->all_gather_min_bytes, option->reduce_scatter_min_bytes,
-                      option->all_reduce_min_bytes, option->half_reduce_min_bytes}) {
-      if (v < 0) {
-        throw ArgumentError("cpu_collectives", "RuntimeOptions::cpu_collectives: a threshold is " +
-                                                   std::to_string(v) +
+    CpuCollectives c = *option;
+    for (const auto& [name, value] : detail::cpu::thresholds(c)) {
+      if (*value < 0) {
+        throw ArgumentError("cpu_collectives", std::string("RuntimeOptions::cpu_collectives: '") +
+                                                   name + "' = " + std::to_string(*value) +
                                                    " bytes; accepted: 0 or more bytes");
       }
     }
-    return *option;
+    return c;
   }
   CpuCollectives c;
   const char* algo = std::getenv("FSDP_MPI_ALGO");
@@ -113,8 +115,9 @@ CpuCollectives cpu_collectives_from(const std::optional<CpuCollectives>& option)
                           std::string("FSDP_MPI_ALGO_MIN_BYTES='") + min +
                               "'; accepted: a whole number of bytes, 0 or more");
     }
-    c.all_gather_min_bytes = c.reduce_scatter_min_bytes = c.all_reduce_min_bytes =
-        c.half_reduce_min_bytes = v;
+    for (const auto& [name, value] : detail::cpu::thresholds(c)) {
+      if (std::string_view(name).find("_min_bytes") != std::string_view::npos) *value = v;
+    }
   }
   return c;
 }
@@ -173,21 +176,21 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   // rank with the desync check (communicators and an exchange per
   // collective) or another CPU algorithm would leave the others waiting.
   // One MPI_Allreduce(MIN) of each value and its negation finds any mismatch.
-  constexpr int kAgreed = 6;
-  const int64_t mine[kAgreed] = {check_collectives_ ? 1 : 0,
-                                 static_cast<int64_t>(cpu_collectives_.algorithm),
-                                 cpu_collectives_.all_gather_min_bytes,
-                                 cpu_collectives_.reduce_scatter_min_bytes,
-                                 cpu_collectives_.all_reduce_min_bytes,
-                                 cpu_collectives_.half_reduce_min_bytes};
-  int64_t both[2 * kAgreed], agreed[2 * kAgreed];
+  std::vector<int64_t> mine = {check_collectives_ ? 1 : 0,
+                               static_cast<int64_t>(cpu_collectives_.algorithm)};
+  for (const auto& field : detail::cpu::thresholds(cpu_collectives_)) mine.push_back(*field.second);
+  const int kAgreed = static_cast<int>(mine.size());
+  std::vector<int64_t> both(2 * mine.size()), agreed(2 * mine.size());
   for (int i = 0; i < kAgreed; ++i) {
-    both[i] = mine[i];
-    both[kAgreed + i] = -mine[i];
+    both[static_cast<size_t>(i)] = mine[static_cast<size_t>(i)];
+    both[static_cast<size_t>(kAgreed + i)] = -mine[static_cast<size_t>(i)];
   }
-  detail::check_mpi(MPI_Allreduce(both, agreed, 2 * kAgreed, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD),
+  detail::check_mpi(MPI_Allreduce(both.data(), agreed.data(), 2 * kAgreed, MPI_INT64_T, MPI_MIN,
+                                  MPI_COMM_WORLD),
                     "MPI_Allreduce");
-  auto differs = [&](int i) { return agreed[i] != -agreed[kAgreed + i]; };
+  auto differs = [&](int i) {
+    return agreed[static_cast<size_t>(i)] != -agreed[static_cast<size_t>(kAgreed + i)];
+  };
   bool any = false;
   for (int i = 0; i < kAgreed; ++i) any = any || differs(i);
   if (any) {
@@ -199,15 +202,18 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
                               (check_collectives_ ? "detail" : "off") +
                               "); set it the same on every rank");
     }
+    std::string fields;
+    const auto named = detail::cpu::thresholds(cpu_collectives_);
+    for (int i = 2; i < kAgreed; ++i) {
+      if (!differs(i)) continue;
+      const auto& [name, value] = named[static_cast<size_t>(i - 2)];
+      fields += std::string(", ") + name + " " + std::to_string(*value) + " B";
+    }
     throw ArgumentError("FSDP_MPI_ALGO",
                         "FSDP_MPI_ALGO / FSDP_MPI_ALGO_MIN_BYTES / "
                         "RuntimeOptions::cpu_collectives differ across ranks (this rank: " +
-                            to_string(cpu_collectives_.algorithm) + ", pairwise from " +
-                            std::to_string(cpu_collectives_.all_gather_min_bytes) + " / " +
-                            std::to_string(cpu_collectives_.reduce_scatter_min_bytes) + " / " +
-                            std::to_string(cpu_collectives_.all_reduce_min_bytes) + " / " +
-                            std::to_string(cpu_collectives_.half_reduce_min_bytes) +
-                            " B); set them the same on every rank");
+                            to_string(cpu_collectives_.algorithm) + fields +
+                            "); set them the same on every rank");
   }
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
@@ -249,18 +255,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
               << " thread(s) per rank, device " << device_.str() << ", watchdog "
               << (timeout_seconds_ > 0 ? seconds_text(timeout_seconds_) : "off")
               << (check_collectives_ ? ", collective checks on (FSDP_DEBUG=detail)" : "")
-              << ", CPU collectives " << to_string(cpu_collectives_.algorithm)
-              << (cpu_collectives_.algorithm == CpuAlgorithm::Auto
-                      ? " (pairwise from all-gather " +
-                            std::to_string(cpu_collectives_.all_gather_min_bytes >> 10) +
-                            " KiB, reduce-scatter " +
-                            std::to_string(cpu_collectives_.reduce_scatter_min_bytes >> 10) +
-                            " KiB, all-reduce " +
-                            std::to_string(cpu_collectives_.all_reduce_min_bytes >> 10) +
-                            " KiB, 16-bit reductions " +
-                            std::to_string(cpu_collectives_.half_reduce_min_bytes >> 10) +
-                            " KiB per peer)"
-                      : "")
+              << ", CPU collectives " << to_string(cpu_collectives_)
               << ", BLAS " << blas_library_
               << (blas_library_.find("openblas") == std::string::npos && !at::hasMKL()
                       ? " (not OpenBLAS or MKL: GEMMs may be ~14x slower; install libopenblas0-pthread)"

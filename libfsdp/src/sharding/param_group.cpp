@@ -265,7 +265,10 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
     int64_t total = 0;
     for (size_t i : sharded) total += params_[i].padded_block_numel();
     const int64_t flags = static_cast<int64_t>(sharded.size());
-    at::Tensor input = at::empty({ws, total + flags}, options_of(params_[sharded[0]]));
+    // In the reduction group's shared memory where it has some: the shm
+    // reduce-scatter then reads it in place instead of copying it first.
+    at::Tensor input =
+        scatter_group_->empty_for_collectives({ws, total + flags}, options_of(params_[sharded[0]]));
     at::Tensor out = at::empty({total + flags}, input.options());
     const double pre = pre_divide_factor(input.scalar_type(), settings_, divide());
     int64_t offset = 0;
@@ -288,7 +291,7 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
   for (size_t i : sharded) {
     auto& p = params_[i];
     const int64_t n = p.padded_block_numel();
-    at::Tensor input = at::empty({ws, n + 1}, options_of(p));
+    at::Tensor input = scatter_group_->empty_for_collectives({ws, n + 1}, options_of(p));
     const double pre = pre_of(p);
     p.write_reduce_input(input.narrow(1, 0, n));
     if (pre != 1) input.narrow(1, 0, n).div_(pre);

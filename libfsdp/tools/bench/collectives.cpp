@@ -43,7 +43,7 @@ constexpr double kTargetLargeWorld = 3.0;
 // The libfsdp columns, in table order.
 constexpr fsdp::CpuAlgorithm kAlgorithms[] = {fsdp::CpuAlgorithm::Mpi, fsdp::CpuAlgorithm::Ring,
                                               fsdp::CpuAlgorithm::Pairwise,
-                                              fsdp::CpuAlgorithm::Auto};
+                                              fsdp::CpuAlgorithm::Shm, fsdp::CpuAlgorithm::Auto};
 
 struct Options {
   int64_t min_bytes = 1024;
@@ -51,9 +51,10 @@ struct Options {
   int step_factor = 2;
   TimingOptions timing;
   std::vector<std::string> ops{"all_gather", "reduce_scatter", "all_reduce"};
-  std::vector<std::string> algorithms{"mpi", "ring", "pairwise", "auto"};
+  std::vector<std::string> algorithms{"mpi", "ring", "pairwise", "shm", "auto"};
   std::string dtype = "float32";
   std::string json_path;
+  bool shared_inputs = false;
 };
 
 struct Collective {
@@ -153,18 +154,24 @@ struct Case {
 
 // `requested` bytes rounded down so that every rank gets whole elements;
 // count 0 means the size is too small for this world.
+// shared: the reduce-scatter input, all-gather output and all-reduce tensor
+// come from the group's empty_for_collectives (shared memory on one node),
+// as fully_shard's reduce-scatter inputs do.
 Case make_case(const std::string& op, int64_t requested, c10::ScalarType dtype,
-               const RawTypes& raw, MPI_Comm comm) {
+               const RawTypes& raw, MPI_Comm comm, bool shared) {
   const fsdp::ProcessGroupPtr pg = fsdp::world_group();
   const int n = pg->size();
   const auto elem = static_cast<int64_t>(c10::elementSize(dtype));
   const auto opts = c10::TensorOptions().dtype(dtype);
+  const auto zeros = [&](int64_t numel) {
+    return shared ? pg->empty_for_collectives({numel}, opts).zero_() : at::zeros({numel}, opts);
+  };
   Case c;
   c.count = requested / elem;
   // Zeros: sums of zeros stay zero, so repeated in-place reductions never
   // reach inf or denormals, whose arithmetic would time differently.
   if (op == "all_reduce") {
-    at::Tensor t = at::zeros({c.count}, opts);
+    at::Tensor t = zeros(c.count);
     const int count = static_cast<int>(c.count);
     c.ours = [pg, t] { pg->all_reduce(t, fsdp::ReduceOp::SUM); };
     c.raw = [t, count, &raw, comm] {
@@ -175,7 +182,7 @@ Case make_case(const std::string& op, int64_t requested, c10::ScalarType dtype,
     c.count -= c.count % n;
     const int64_t block = c.count / n;
     const bool gather = op == "all_gather";
-    at::Tensor whole = at::zeros({c.count}, opts);
+    at::Tensor whole = zeros(c.count);
     // all_gather in place: each rank's input is its block of the output.
     at::Tensor part = gather ? whole.narrow(0, block * pg->rank(), block) : at::zeros({block}, opts);
     const int count = static_cast<int>(block);
@@ -397,13 +404,8 @@ void notes(Report& report, const Options& o, const std::vector<fsdp::CpuAlgorith
     names += (names.empty() ? "" : ", ") + fsdp::to_string(a);
   }
   report.note(fmt::format("libfsdp ({}): fsdp::set_cpu_collectives with that algorithm before "
-                          "each call; auto = pairwise from a per-peer block of all_gather {}, "
-                          "reduce_scatter {}, all_reduce {}, 16-bit reductions {} (the start-up "
-                          "thresholds), Open MPI's below; x_limit = time / limit",
-                          names, format_size(startup.all_gather_min_bytes),
-                          format_size(startup.reduce_scatter_min_bytes),
-                          format_size(startup.all_reduce_min_bytes),
-                          format_size(startup.half_reduce_min_bytes)));
+                          "each call; auto = the start-up settings: {}; x_limit = time / limit",
+                          names, fsdp::to_string(startup)));
   report.note(std::string("algbw = size / time; busbw = algbw * (n-1)/n (all_gather, "
                           "reduce_scatter) or 2(n-1)/n (all_reduce)") +
               (has_auto(algorithms) ? "; ratio = raw MPI time / libfsdp auto time (> 1: auto "
@@ -566,6 +568,12 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   report.meta("iters", o.timing.iters);
   report.meta("warmup", o.timing.warmup);
   report.meta("dtype", o.dtype);
+  report.meta("shared_inputs", o.shared_inputs);
+  if (o.shared_inputs) {
+    report.note("--shared-inputs: reduce-scatter inputs, all-gather outputs and all-reduce "
+                "tensors from world_group()->empty_for_collectives (shared memory), as "
+                "fully_shard's reduce-scatter inputs");
+  }
   nlohmann::json names = nlohmann::json::array();
   for (const fsdp::CpuAlgorithm a : algorithms) names.push_back(fsdp::to_string(a));
   report.meta("algorithms", names);
@@ -574,14 +582,20 @@ int run(const Options& o, const fsdp::Runtime& rt) {
                {"all_gather_min_bytes", startup.all_gather_min_bytes},
                {"reduce_scatter_min_bytes", startup.reduce_scatter_min_bytes},
                {"all_reduce_min_bytes", startup.all_reduce_min_bytes},
-               {"half_reduce_min_bytes", startup.half_reduce_min_bytes}});
+               {"half_reduce_min_bytes", startup.half_reduce_min_bytes},
+               {"all_gather_shm_min_bytes", startup.all_gather_shm_min_bytes},
+               {"all_gather_shm_max_bytes", startup.all_gather_shm_max_bytes},
+               {"reduce_scatter_shm_min_bytes", startup.reduce_scatter_shm_min_bytes},
+               {"reduce_scatter_shm_max_bytes", startup.reduce_scatter_shm_max_bytes},
+               {"all_reduce_shm_min_bytes", startup.all_reduce_shm_min_bytes},
+               {"all_reduce_shm_max_bytes", startup.all_reduce_shm_max_bytes}});
   add_runtime_meta(report, rt);
   notes(report, o, algorithms, startup);
 
   Large large;
   for (const std::string& op : o.ops) {
     for (const int64_t requested : sizes(o)) {
-      const Case k = make_case(op, requested, dtype, raw, comm);
+      const Case k = make_case(op, requested, dtype, raw, comm, o.shared_inputs);
       if (k.count == 0) continue;
       measure(report, o, op, k, algorithms, startup, dtype, comm, large);
     }
@@ -632,10 +646,15 @@ void add_collectives_command(CLI::App& app, Command& chosen) {
   for (const fsdp::CpuAlgorithm a : kAlgorithms) algorithm_names.push_back(fsdp::to_string(a));
   sub->add_option("--algorithms", o->algorithms,
                   "libfsdp CPU algorithms to run, comma-separated (columns in the order "
-                  "mpi, ring, pairwise, auto)")
+                  "mpi, ring, pairwise, shm, auto)")
       ->delimiter(',')
       ->check(CLI::IsMember(algorithm_names))
-      ->default_str("mpi,ring,pairwise,auto");
+      ->default_str("mpi,ring,pairwise,shm,auto");
+  sub->add_flag("--shared-inputs", o->shared_inputs,
+                "Reduce-scatter inputs, all-gather outputs and all-reduce tensors from "
+                "ProcessGroup::empty_for_collectives (shared memory on one node), as "
+                "fully_shard allocates its reduce-scatter inputs; shm then copies nothing "
+                "in");
   std::vector<std::string> dtype_names;
   for (const auto& entry : dtypes()) dtype_names.push_back(entry.first);
   sub->add_option("-d,--dtype", o->dtype, "Element type")

@@ -1,0 +1,351 @@
+#include "comm/shared_arena.h"
+
+#include "comm/process_group.h"
+#include "fsdp/errors.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/accumulate.h>
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FSDP_CPU_RELAX() _mm_pause()
+#else
+#define FSDP_CPU_RELAX() ((void)0)
+#endif
+
+namespace fsdp::detail::cpu {
+
+// At the start of every segment; the rest of its first page is unused so
+// that allocations never share a cache line with the counters.
+struct SharedArena::Control {
+  alignas(64) std::atomic<uint64_t> epoch;
+  alignas(64) std::atomic<int64_t> slot[2];
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory counters must be lock-free (address-free) atomics");
+
+namespace {
+
+constexpr int64_t kControlBytes = 4096;
+constexpr int64_t kAlign = 64;
+// Segments grow in steps of this (a huge page), so growth is rare.
+constexpr int64_t kGrowStep = 2 << 20;
+constexpr int kNameLen = 64;
+
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Address space each segment reserves: FSDP_SHM_BYTES, else the node's
+// memory (a segment can never hold more), at least 1 GiB; 0: no arena.
+int64_t reserve_bytes() {
+  if (const char* env = std::getenv("FSDP_SHM_BYTES"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(env, &end, 10);
+    if (errno != 0 || *end != '\0' || v < 0) {
+      throw ArgumentError("FSDP_SHM_BYTES", std::string("FSDP_SHM_BYTES = '") + env +
+                                                "'; accepted: a byte count >= 0 (0: no "
+                                                "shared-memory arenas)");
+    }
+    return v == 0 ? 0 : round_up(std::max<int64_t>(v + kControlBytes, kGrowStep), kGrowStep);
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  const int64_t ram = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+  return round_up(std::max<int64_t>(ram, int64_t{1} << 30), kGrowStep);
+}
+
+// The live arenas, for shared_memory_stats().
+std::mutex g_live_mu;
+std::set<SharedArena*> g_live;
+
+bool all_true(bool mine, MPI_Comm comm) {
+  int v = mine ? 1 : 0, all = 0;
+  check_mpi(MPI_Allreduce(&v, &all, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
+  return all == 1;
+}
+
+std::string errno_text(const char* call) { return std::string(call) + ": " + std::strerror(errno); }
+
+}  // namespace
+
+std::shared_ptr<SharedArena> SharedArena::create(MPI_Comm comm, std::string* why) {
+  int rank = 0, size = 1;
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  if (size == 1) {
+    *why = "one rank";
+    return nullptr;
+  }
+  const int64_t reserve = reserve_bytes();
+  if (!all_true(reserve > 0, comm)) {
+    *why = "FSDP_SHM_BYTES=0";
+    return nullptr;
+  }
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  int node_size = 0;
+  check_mpi(MPI_Comm_size(node, &node_size), "MPI_Comm_size");
+  MPI_Comm_free(&node);
+  if (!all_true(node_size == size, comm)) {
+    *why = "the group spans more than one node";
+    return nullptr;
+  }
+
+  std::shared_ptr<SharedArena> a(new SharedArena());
+  a->rank_ = rank;
+  a->reserve_ = reserve;
+  a->bases_.assign(static_cast<size_t>(size), nullptr);
+  a->payloads_.assign(static_cast<size_t>(size), 0);
+  // pid + a per-process counter: unique on the node while the segment lives.
+  static std::atomic<int> counter{0};
+  char name[kNameLen] = {};
+  std::snprintf(name, sizeof name, "/fsdp-%d-%d", static_cast<int>(getpid()), counter++);
+  std::string error;
+  a->fd_ = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (a->fd_ < 0) {
+    error = errno_text("shm_open");
+  } else {
+    void* p = mmap(nullptr, static_cast<size_t>(a->reserve_), PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_NORESERVE, a->fd_, 0);
+    if (p == MAP_FAILED) {
+      error = errno_text("mmap");
+    } else {
+      a->bases_[static_cast<size_t>(rank)] = static_cast<char*>(p);
+      std::lock_guard<std::mutex> lock(a->mu_);
+      if (!a->grow_locked(kGrowStep)) error = errno_text("fallocate");
+    }
+  }
+  if (error.empty()) {
+    Control* c = new (a->base(rank)) Control();
+    c->epoch.store(0, std::memory_order_relaxed);
+    c->slot[0].store(0, std::memory_order_relaxed);
+    c->slot[1].store(0, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(a->mu_);
+    a->free_.clear();
+    a->free_[kControlBytes] = a->committed_ - kControlBytes;
+  }
+  bool ok = all_true(error.empty(), comm);
+  if (ok) {
+    std::vector<char> names(static_cast<size_t>(size) * kNameLen);
+    check_mpi(MPI_Allgather(name, kNameLen, MPI_CHAR, names.data(), kNameLen, MPI_CHAR, comm),
+              "MPI_Allgather");
+    for (int r = 0; r < size && error.empty(); ++r) {
+      if (r == rank) continue;
+      const int fd = shm_open(&names[static_cast<size_t>(r) * kNameLen], O_RDWR, 0);
+      if (fd < 0) {
+        error = errno_text("shm_open (a peer's segment)");
+        break;
+      }
+      void* p = mmap(nullptr, static_cast<size_t>(a->reserve_), PROT_READ | PROT_WRITE,
+                     MAP_SHARED | MAP_NORESERVE, fd, 0);
+      close(fd);
+      if (p == MAP_FAILED) {
+        error = errno_text("mmap (a peer's segment)");
+        break;
+      }
+      a->bases_[static_cast<size_t>(r)] = static_cast<char*>(p);
+    }
+    // Every peer has mapped it (or failed to): the name is no longer needed.
+    ok = all_true(error.empty(), comm);
+  }
+  if (a->fd_ >= 0) shm_unlink(name);
+  if (!ok) {
+    *why = error.empty() ? "a peer could not set up its shared-memory segment" : error;
+    return nullptr;  // the destructor unmaps what was mapped
+  }
+  std::lock_guard<std::mutex> lock(g_live_mu);
+  g_live.insert(a.get());
+  return a;
+}
+
+SharedArena::~SharedArena() {
+  {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    g_live.erase(this);
+  }
+  for (char* b : bases_) {
+    if (b != nullptr) munmap(b, static_cast<size_t>(reserve_));
+  }
+  if (fd_ >= 0) close(fd_);
+}
+
+SharedArena::Control* SharedArena::control(int r) const {
+  return reinterpret_cast<Control*>(base(r));
+}
+
+bool SharedArena::grow_locked(int64_t to) {
+  to = std::min(round_up(to, kGrowStep), reserve_);
+  if (to <= committed_) return false;
+  // fallocate, not ftruncate: the pages are taken now, so a full /dev/shm
+  // fails here instead of raising SIGBUS in a later write.
+  if (posix_fallocate(fd_, committed_, to - committed_) != 0) return false;
+  const int64_t old = committed_;
+  committed_ = to;
+  auto last = free_.empty() ? free_.end() : std::prev(free_.end());
+  if (last != free_.end() && last->first + last->second == old) {
+    last->second += to - old;
+  } else {
+    free_[old] = to - old;
+  }
+  return true;
+}
+
+int64_t SharedArena::allocate(int64_t bytes) {
+  bytes = round_up(std::max<int64_t>(bytes, 1), kAlign);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto fit = std::find_if(free_.begin(), free_.end(),
+                          [bytes](const auto& f) { return f.second >= bytes; });
+  if (fit == free_.end()) {
+    const auto last = free_.empty() ? free_.end() : std::prev(free_.end());
+    const int64_t tail = last != free_.end() && last->first + last->second == committed_
+                             ? last->second
+                             : 0;
+    if (!grow_locked(committed_ + bytes - tail)) return -1;
+    fit = std::prev(free_.end());
+  }
+  const int64_t offset = fit->first;
+  const int64_t left = fit->second - bytes;
+  free_.erase(fit);
+  if (left > 0) free_[offset + bytes] = left;
+  used_[offset] = bytes;
+  in_use_ += bytes;
+  peak_in_use_ = std::max(peak_in_use_, in_use_);
+  return offset;
+}
+
+void SharedArena::free(int64_t offset) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto u = used_.find(offset);
+  if (u == used_.end()) return;
+  int64_t start = offset, bytes = u->second;
+  used_.erase(u);
+  in_use_ -= bytes;
+  auto next = free_.lower_bound(start);
+  if (next != free_.end() && next->first == start + bytes) {
+    bytes += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      bytes += prev->second;
+      free_.erase(prev);
+    }
+  }
+  free_[start] = bytes;
+}
+
+int64_t SharedArena::offset_of(const void* p, int64_t bytes) const {
+  const char* c = static_cast<const char*>(p);
+  const char* b = base(rank_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (c < b + kControlBytes || c + bytes > b + committed_) return -1;
+  return c - b;
+}
+
+const std::vector<int64_t>& SharedArena::barrier(int64_t payload, bool poll) {
+  const uint64_t e = ++epoch_;
+  Control* mine = control(rank_);
+  mine->slot[e & 1].store(payload, std::memory_order_relaxed);
+  mine->epoch.store(e, std::memory_order_release);
+  payloads_[static_cast<size_t>(rank_)] = payload;
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank_) continue;
+    Control* c = control(r);
+    // A short spin covers peers that arrive together; then the core goes to
+    // whoever needs it: yielding (the waiting rank may share its core with
+    // the peer it waits for) or, for polling groups, sleeping.
+    int spins = 0;
+    std::chrono::microseconds nap(8);
+    while (c->epoch.load(std::memory_order_acquire) < e) {
+      if (spins < 256) {
+        ++spins;
+        FSDP_CPU_RELAX();
+      } else if (poll) {
+        std::this_thread::sleep_for(nap);
+        nap = std::min(nap * 2, std::chrono::microseconds(128));
+      } else {
+        sched_yield();
+      }
+    }
+    payloads_[static_cast<size_t>(r)] = c->slot[e & 1].load(std::memory_order_relaxed);
+  }
+  return payloads_;
+}
+
+int64_t SharedArena::committed_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return committed_;
+}
+
+int64_t SharedArena::in_use_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_;
+}
+
+int64_t SharedArena::peak_in_use_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_in_use_;
+}
+
+void SharedArena::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_in_use_ = in_use_;
+}
+
+at::Tensor empty_in_arena(const std::shared_ptr<SharedArena>& arena, at::IntArrayRef sizes,
+                          const at::TensorOptions& options) {
+  if (arena == nullptr || options.pinned_memory() || !options.device().is_cpu()) {
+    return at::empty(sizes, options);
+  }
+  const int64_t bytes = c10::multiply_integers(sizes) *
+                        static_cast<int64_t>(options.dtype().itemsize());
+  const int64_t offset = arena->allocate(bytes);
+  if (offset < 0) return at::empty(sizes, options);
+  // The deleter keeps the arena (its mapping) alive as long as the tensor.
+  return at::from_blob(
+      arena->base(arena->rank()) + offset, sizes,
+      [arena, offset](void*) { arena->free(offset); }, options);
+}
+
+}  // namespace fsdp::detail::cpu
+
+namespace fsdp {
+
+at::Tensor ProcessGroup::empty_for_collectives(at::IntArrayRef sizes,
+                                               const at::TensorOptions& options) {
+  return at::empty(sizes, options);
+}
+
+SharedMemoryStats shared_memory_stats() {
+  SharedMemoryStats s;
+  std::lock_guard<std::mutex> lock(detail::cpu::g_live_mu);
+  for (const auto* a : detail::cpu::g_live) {
+    s.committed += a->committed_bytes();
+    s.in_use += a->in_use_bytes();
+    s.peak_in_use += a->peak_in_use_bytes();
+  }
+  return s;
+}
+
+void reset_shared_memory_peak() {
+  std::lock_guard<std::mutex> lock(detail::cpu::g_live_mu);
+  for (auto* a : detail::cpu::g_live) a->reset_peak();
+}
+
+}  // namespace fsdp
