@@ -3,8 +3,11 @@
 #include "comm/process_group.h"
 #include "fsdp/errors.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
 #include <c10/util/accumulate.h>
 
 #include <fcntl.h>
@@ -67,9 +70,22 @@ int64_t reserve_bytes() {
   return round_up(std::max<int64_t>(ram, int64_t{1} << 30), kGrowStep);
 }
 
-// The live arenas, for shared_memory_stats().
+// The live arenas, for shared_memory_stats(), and the bytes in use over all
+// of them (one peak for the process, not a sum of per-arena peaks).
 std::mutex g_live_mu;
 std::set<SharedArena*> g_live;
+std::atomic<int64_t> g_in_use{0};
+std::atomic<int64_t> g_peak_in_use{0};
+
+std::atomic<void (*)(int64_t)> g_observer{nullptr};
+
+void count_in_use(int64_t delta) {
+  if (auto* observe = g_observer.load(std::memory_order_relaxed)) observe(delta);
+  const int64_t now = g_in_use.fetch_add(delta) + delta;
+  int64_t peak = g_peak_in_use.load();
+  while (now > peak && !g_peak_in_use.compare_exchange_weak(peak, now)) {
+  }
+}
 
 bool all_true(bool mine, MPI_Comm comm) {
   int v = mine ? 1 : 0, all = 0;
@@ -222,8 +238,7 @@ int64_t SharedArena::allocate(int64_t bytes) {
   free_.erase(fit);
   if (left > 0) free_[offset + bytes] = left;
   used_[offset] = bytes;
-  in_use_ += bytes;
-  peak_in_use_ = std::max(peak_in_use_, in_use_);
+  count_in_use(bytes);
   return offset;
 }
 
@@ -233,7 +248,7 @@ void SharedArena::free(int64_t offset) {
   if (u == used_.end()) return;
   int64_t start = offset, bytes = u->second;
   used_.erase(u);
-  in_use_ -= bytes;
+  count_in_use(-bytes);
   auto next = free_.lower_bound(start);
   if (next != free_.end() && next->first == start + bytes) {
     bytes += next->second;
@@ -293,34 +308,72 @@ int64_t SharedArena::committed_bytes() const {
   return committed_;
 }
 
-int64_t SharedArena::in_use_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return in_use_;
+namespace {
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define FSDP_ALLOCATE_CONST
+#define FSDP_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define FSDP_ALLOCATE_CONST const
+#define FSDP_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
+// A block of an arena; the DataPtr's context, so the mapping outlives it.
+struct ArenaBlockRef {
+  std::shared_ptr<SharedArena> arena;
+  int64_t offset;
+};
+
+void free_block(void* ctx) {
+  auto* block = static_cast<ArenaBlockRef*>(ctx);
+  block->arena->free(block->offset);
+  delete block;
 }
 
-int64_t SharedArena::peak_in_use_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return peak_in_use_;
-}
+// The storages of empty_for_collectives' tensors allocate through this, so
+// that fully_shard's free-and-regrow of an unsharded buffer (a storage
+// resize) lands in the arena again. It holds the arena weakly and falls back
+// to the CPU allocator once the group is gone or its arena is full. Never
+// destroyed: storages keep a raw pointer to their allocator.
+class ArenaAllocator final : public c10::Allocator {
+ public:
+  explicit ArenaAllocator(std::weak_ptr<SharedArena> arena) : arena_(std::move(arena)) {}
+  c10::DataPtr allocate(size_t n) FSDP_ALLOCATE_CONST override {
+    if (std::shared_ptr<SharedArena> a = arena_.lock()) {
+      const int64_t offset = a->allocate(static_cast<int64_t>(n));
+      if (offset >= 0) {
+        void* data = a->base(a->rank()) + offset;
+        return c10::DataPtr(data, new ArenaBlockRef{std::move(a), offset}, &free_block,
+                            c10::Device(c10::kCPU));
+      }
+    }
+    return c10::GetCPUAllocator()->allocate(n);
+  }
+#if FSDP_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+#endif
 
-void SharedArena::reset_peak() {
-  std::lock_guard<std::mutex> lock(mu_);
-  peak_in_use_ = in_use_;
-}
+ private:
+  std::weak_ptr<SharedArena> arena_;
+};
+
+}  // namespace
 
 at::Tensor empty_in_arena(const std::shared_ptr<SharedArena>& arena, at::IntArrayRef sizes,
                           const at::TensorOptions& options) {
-  if (arena == nullptr || options.pinned_memory() || !options.device().is_cpu()) {
+  if (arena == nullptr || options.pinned_memory() || !options.device().is_cpu() ||
+      options.layout() != c10::kStrided) {
     return at::empty(sizes, options);
   }
-  const int64_t bytes = c10::multiply_integers(sizes) *
-                        static_cast<int64_t>(options.dtype().itemsize());
-  const int64_t offset = arena->allocate(bytes);
-  if (offset < 0) return at::empty(sizes, options);
-  // The deleter keeps the arena (its mapping) alive as long as the tensor.
-  return at::from_blob(
-      arena->base(arena->rank()) + offset, sizes,
-      [arena, offset](void*) { arena->free(offset); }, options);
+  std::call_once(arena->allocator_once_, [&] {
+    arena->allocator_ = new ArenaAllocator(arena);  // never freed: see ArenaAllocator
+  });
+  return at::detail::empty_generic(sizes, arena->allocator_,
+                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   c10::typeMetaToScalarType(options.dtype()),
+                                   options.memory_format_opt());
 }
 
 }  // namespace fsdp::detail::cpu
@@ -334,18 +387,21 @@ at::Tensor ProcessGroup::empty_for_collectives(at::IntArrayRef sizes,
 
 SharedMemoryStats shared_memory_stats() {
   SharedMemoryStats s;
-  std::lock_guard<std::mutex> lock(detail::cpu::g_live_mu);
-  for (const auto* a : detail::cpu::g_live) {
-    s.committed += a->committed_bytes();
-    s.in_use += a->in_use_bytes();
-    s.peak_in_use += a->peak_in_use_bytes();
+  {
+    std::lock_guard<std::mutex> lock(detail::cpu::g_live_mu);
+    for (const auto* a : detail::cpu::g_live) s.committed += a->committed_bytes();
   }
+  s.in_use = detail::cpu::g_in_use.load();
+  s.peak_in_use = detail::cpu::g_peak_in_use.load();
   return s;
 }
 
+void set_shared_memory_observer(void (*observer)(int64_t delta_bytes)) {
+  detail::cpu::g_observer.store(observer);
+}
+
 void reset_shared_memory_peak() {
-  std::lock_guard<std::mutex> lock(detail::cpu::g_live_mu);
-  for (auto* a : detail::cpu::g_live) a->reset_peak();
+  detail::cpu::g_peak_in_use.store(detail::cpu::g_in_use.load());
 }
 
 }  // namespace fsdp

@@ -61,11 +61,8 @@ class SharedArena {
   // short sleeps instead of yielding the core (see Peers::poll).
   const std::vector<int64_t>& barrier(int64_t payload, bool poll);
 
-  // Bytes backing this rank's segment now, and the most ever in use.
+  // Bytes backing this rank's segment now.
   int64_t committed_bytes() const;
-  int64_t in_use_bytes() const;
-  int64_t peak_in_use_bytes() const;
-  void reset_peak();
 
  private:
   struct Control;
@@ -82,13 +79,18 @@ class SharedArena {
 
   mutable std::mutex mu_;
   int64_t committed_ = 0;  // file size of this rank's segment
-  int64_t in_use_ = 0, peak_in_use_ = 0;
   std::map<int64_t, int64_t> free_;  // offset -> bytes, coalesced
   std::map<int64_t, int64_t> used_;  // offset -> bytes
+
+  friend at::Tensor empty_in_arena(const std::shared_ptr<SharedArena>&, at::IntArrayRef,
+                                   const at::TensorOptions&);
+  std::once_flag allocator_once_;
+  c10::Allocator* allocator_ = nullptr;  // empty_in_arena's storages'
 };
 
 // ProcessGroup::empty_for_collectives on a group with `arena` (may be null):
-// a tensor in this rank's segment, else at::empty.
+// a tensor in this rank's segment whose storage allocates there again when
+// resized (freed and regrown), else at::empty.
 at::Tensor empty_in_arena(const std::shared_ptr<SharedArena>& arena, at::IntArrayRef sizes,
                           const at::TensorOptions& options);
 

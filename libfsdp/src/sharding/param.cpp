@@ -142,8 +142,14 @@ at::Tensor ShardedParam::all_gather_output() {
   if (!unsharded_buf_.defined()) {
     std::vector<int64_t> shape = layout_.fsdp.is_shard() ? moved_shape_ : full_shape_;
     if (layout_.fsdp.is_shard()) shape[0] = chunk_ * shard_size_;
-    unsharded_buf_ = at::empty(shape, padded_.options().dtype(param_dtype_).device(
-                                          compute_device_).pinned_memory(false));
+    // In the shard group's shared memory where it has some: the shm
+    // all-gather then publishes this rank's block in place, and peers copy
+    // straight out of it. Released and regrown there on every reshard.
+    const at::TensorOptions options =
+        padded_.options().dtype(param_dtype_).device(compute_device_).pinned_memory(false);
+    unsharded_buf_ = layout_.fsdp.is_shard() && layout_.shard_group != nullptr
+                         ? layout_.shard_group->empty_for_collectives(shape, options)
+                         : at::empty(shape, options);
     full_ = layout_.fsdp.is_shard()
                 ? unsharded_buf_.narrow(0, 0, moved_shape_[0]).movedim(0, dim_)
                 : unsharded_buf_;

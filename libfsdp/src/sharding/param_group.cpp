@@ -147,7 +147,8 @@ void ParamGroup::issue_unshard() {
     const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
                           c10::elementSize(fused_gather_options_.dtype().toScalarType());
     if (!fused_gather_out_.defined()) {
-      fused_gather_out_ = at::empty({fused_block_numel_ * ws}, fused_gather_options_);
+      fused_gather_out_ =
+          shard_group_->empty_for_collectives({fused_block_numel_ * ws}, fused_gather_options_);
     } else {
       compat::restore_storage(fused_gather_out_, nbytes);
     }

@@ -110,7 +110,14 @@ class CountingAllocator final : public c10::Allocator {
     return *instance;
   }
   // Priority above LibTorch's default CPU allocator (registered at 0).
-  void install() { c10::SetCPUAllocator(this, /*priority=*/1); }
+  // Also counts libfsdp's shared-memory arenas (fully_shard's all-gather
+  // outputs and reduce-scatter inputs), which LibTorch's allocator never
+  // sees, in the current account: they are made and freed within a step.
+  void install() {
+    c10::SetCPUAllocator(this, /*priority=*/1);
+    fsdp::set_shared_memory_observer(
+        [](int64_t delta) { get().add(get().current_.load(std::memory_order_relaxed), delta); });
+  }
   bool installed() const { return c10::GetCPUAllocator() == this; }
 
   // Makes `account` current until the returned guard is destroyed.
@@ -844,7 +851,8 @@ int run(Options o, const fsdp::Runtime& rt) {
   report.note("persistent = parameters as held between steps (local shards under FSDP) + "
               "gradients + AdamW state, sums of tensor sizes, max over ranks");
   report.note("held / peak = LibTorch CPU-allocator bytes owned by the config between steps / "
-              "at the highest point of a step (max over timed steps and ranks; BLAS and MPI "
+              "at the highest point of a step, libfsdp's shared-memory arenas included "
+              "(fsdp::set_shared_memory_observer) (max over timed steps and ranks; BLAS and MPI "
               "scratch not counted)");
   if (o.resolved_device.is_cuda()) {
     report.note(fmt::format("--device cuda: models, batches and meshes on {}; held / peak count "
