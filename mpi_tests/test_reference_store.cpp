@@ -10,6 +10,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <ftw.h>
+#include <sys/stat.h>
+
+#include <cstdio>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -86,6 +90,15 @@ ref::RunRecord sample_record() {
   return r;
 }
 
+// nftw, not std::filesystem::remove_all: pip's LibTorch 2.11 exports a
+// remove_all of its own that crashed this suite on the H200 machine (a call
+// through a null PLT entry), and binds before libstdc++'s.
+void remove_tree(const std::string& dir) {
+  ::nftw(
+      dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); },
+      16, FTW_DEPTH | FTW_PHYS);
+}
+
 std::string scratch_dir() {
   auto dir = std::filesystem::temp_directory_path() /
              ("fsdp-ref-store-" + std::to_string(::getpid()) + "-" + std::to_string(spmd::rank()));
@@ -122,7 +135,7 @@ BOOST_AUTO_TEST_CASE(test_reference_round_trip) {
   int files = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir + "/cpu")) files += e.is_regular_file();
   BOOST_TEST(files == 1);
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 BOOST_AUTO_TEST_CASE(test_stale_reference_is_reported) {
@@ -151,7 +164,7 @@ BOOST_AUTO_TEST_CASE(test_stale_reference_is_reported) {
   } catch (const ref::StaleReference& e) {
     BOOST_TEST(std::string(e.what()).find("missing reference for vit") != std::string::npos, e.what());
   }
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 BOOST_AUTO_TEST_CASE(test_committed_references_are_current) {

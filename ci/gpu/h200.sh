@@ -27,7 +27,7 @@
 # (build-gpu-bundle), TORCH_PREFIX (torch's CMake prefix; default asks python3),
 # NCCL_HOME (default: pip's nvidia-nccl inside torch's site-packages),
 # H200_BUDGET_S (480), H200_BUILD_S (the build step's limit, 300), JOBS (nproc),
-# TRAIN_STEPS (20).
+# TRAIN_STEPS (20), H200_TARGETS / H200_CTEST_REGEX (a rerun of a few suites).
 set -uo pipefail
 
 dry=0
@@ -201,6 +201,13 @@ done
 
 targets=(test_dtensor test_fully_shard_runtime test_fully_shard_module test_tensor_parallel
          test_moe test_pipeline_schedule test_reference_store test_fully_shard_precision fsdp-train fsdp-bench)
+# A rerun of a few suites: H200_TARGETS="test_moe test_reference_store" builds
+# only those and H200_CTEST_REGEX limits the gpu1 step; train and bench run
+# only when their tools are among the targets.
+if [ -n "${H200_TARGETS:-}" ]; then read -r -a targets <<< "$H200_TARGETS"; fi
+ctest_filter=()
+[ -n "${H200_CTEST_REGEX:-}" ] && ctest_filter=(-R "$H200_CTEST_REGEX")
+has_target() { [[ " ${targets[*]} " == *" $1 "* ]]; }
 cmake_args=(
   -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release
   "-DCMAKE_PREFIX_PATH=$torch_prefix;$bprefix"
@@ -249,7 +256,7 @@ ctest_bin="$(dirname "$(command -v "$cmake_bin" 2>/dev/null || echo cmake)")/cte
 if [ "$built" = 1 ]; then
   [ "$dry" = 1 ] || rm -f "$build"/junit/*.xml
   run_step gpu1 200 "ctest -L gpu1 (np 1, FSDP_TEST_DEVICE=cuda, NCCL)" \
-    "$ctest_bin" --test-dir "$build" -L gpu1 --output-on-failure --no-tests=error \
+    "$ctest_bin" --test-dir "$build" -L gpu1 "${ctest_filter[@]}" --output-on-failure --no-tests=error \
     --timeout 150 --output-junit "$out/ctest-gpu1.xml"
   if [ "$dry" = 0 ]; then
     cp "$build"/junit/*.xml "$out/junit/" 2>/dev/null
@@ -261,7 +268,9 @@ else
 fi
 
 # ---------------------------------------------------------------- fsdp-train --mp bf16
-if [ "$built" = 1 ]; then
+if [ "$built" = 1 ] && ! has_target fsdp-train; then
+  record train SKIP 0 "not among H200_TARGETS"
+elif [ "$built" = 1 ]; then
   run_step train 90 "fsdp-train --device cuda --mp bf16 at np 1" \
     "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/libfsdp/tools/train/fsdp-train" \
     --device cuda --mp bf16 --steps "$train_steps" --log-every 5 --out "$out/train"
@@ -275,7 +284,9 @@ fi
 
 # ---------------------------------------------------------------- world-1 FSDP vs plain step
 bench_rows=""
-if [ "$built" = 1 ]; then
+if [ "$built" = 1 ] && ! has_target fsdp-bench; then
+  record bench SKIP 0 "not among H200_TARGETS"
+elif [ "$built" = 1 ]; then
   run_step bench 90 "fsdp-bench train --device cuda at np 1: fsdp vs single (target <= 1.03x)" \
     "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/libfsdp/tools/fsdp-bench" train \
     --device cuda --configs single,fsdp,fsdp-no-reshard --warmup 3 --steps 10 \

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -116,13 +117,19 @@ void write_durable(const std::string& path, const std::string& text) {
 
 // Removes a checkpoint directory so that no moment shows it complete and
 // damaged: meta.json goes first (and that is made durable), then the rest.
+// The tree goes through nftw, not std::filesystem::remove_all: pip's
+// LibTorch 2.11 exports its own remove_all, which binds before libstdc++'s
+// and crashed on its call to recursive_directory_iterator::__erase (a null
+// PLT target) on the H200 machine.
 void remove_checkpoint_dir(const std::string& dir, const std::function<void()>& midway) {
   if (fs::exists(dir + "/meta.json")) {
     fs::remove(dir + "/meta.json");
     fsync_path(dir, true);
   }
   if (midway) midway();
-  fs::remove_all(dir);
+  ::nftw(
+      dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // ---- HDF5 ------------------------------------------------------------------
