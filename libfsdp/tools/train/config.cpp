@@ -259,6 +259,12 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
       ->capture_default_str();
   app.add_option("--seq", cfg.seq, "sequence length in bytes")->capture_default_str();
   app.add_option("--lr", cfg.lr, "AdamW learning rate (weight decay 0)")->capture_default_str();
+  app.add_option("--adam-eps", cfg.adam_eps,
+                 "AdamW eps. --verify compares parameters elementwise: where a gradient stays "
+                 "within a few eps of zero, AdamW's update lr * g / (|g| + eps) turns rounding "
+                 "differences into differences of ~lr, so a larger eps makes short --tp / --pp "
+                 "comparisons well-conditioned")
+      ->capture_default_str();
   // CLI11 reads "-1" into the unsigned seed as 2^64 - 1: refused on the text.
   app.add_option("--seed", cfg.seed, "initial weights and batches, in [0, 2^64 - 1]")
       ->each([](const std::string& text) {
@@ -400,6 +406,9 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
         kMaxTokensPerStep / (cfg.seq + 1), cfg.seq));
   }
   if (cfg.pipelined()) resolve_pipeline(cfg);
+  if (!(cfg.adam_eps > 0) || !std::isfinite(cfg.adam_eps)) {
+    throw ConfigError(fmt::format("--adam-eps {}: must be > 0", cfg.adam_eps));
+  }
   if (!(cfg.lr > 0) || !std::isfinite(cfg.lr)) {
     throw ConfigError(fmt::format("--lr {}: must be > 0", cfg.lr));
   }
@@ -435,8 +444,10 @@ nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t dat
       {"clip", cfg.clip},
       {"data", {{"bytes", data_bytes}, {"fnv1a64", fmt::format("{:016x}", data_hash)}}},
   };
-  // Absent at tp 1, so that checkpoints written before --tp existed still
-  // resume (check_same_numerics compares the keys of both sides).
+  // Absent at the default, so that checkpoints written before --adam-eps
+  // existed still resume (check_same_numerics compares the keys of both sides).
+  if (cfg.adam_eps != 1e-8) j["optimizer"]["eps"] = cfg.adam_eps;
+  // Absent at tp 1 for the same reason.
   if (cfg.tp > 1) {
     j["tp"] = {{"size", cfg.tp},
                {"sequence_parallel", cfg.sequence_parallel},

@@ -50,6 +50,7 @@ struct TrainConfig {
   int64_t batch = 8;
   int64_t seq = 128;
   double lr = 3e-3;
+  double adam_eps = 1e-8;  // AdamW's eps (--adam-eps)
   uint64_t seed = 0;
   double clip = 1.0;
   std::string out = "fsdp-train-out";

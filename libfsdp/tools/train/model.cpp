@@ -238,7 +238,7 @@ void load_local_state(ShardedDecoder& d,
 
 torch::optim::AdamW make_optimizer(const torch::nn::Module& net, const TrainConfig& cfg) {
   return torch::optim::AdamW(net.parameters(),
-                             torch::optim::AdamWOptions(cfg.lr).weight_decay(0.0));
+                             torch::optim::AdamWOptions(cfg.lr).weight_decay(0.0).eps(cfg.adam_eps));
 }
 
 at::Tensor lm_loss_of(const at::Tensor& logits, const at::Tensor& tokens) {
