@@ -345,17 +345,18 @@ void shm_fold(const Peers& p, c10::ScalarType t, ReduceOp op, char* out,
   }
 }
 
-// False (on every rank, having done nothing) when some rank's segment could
-// not hold its input. Only the peers' blocks are staged: this rank reads its
-// own block where it is.
+// False (on every rank, after one barrier, having done nothing) when some
+// rank's input is neither in its arena nor staged there: `stage` off, or
+// its segment could not hold it. Only the peers' blocks are staged: this
+// rank reads its own block where it is.
 bool shm_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out, const char* in,
-                const Blocks& b) {
+                const Blocks& b, bool may_stage) {
   const auto es = static_cast<int64_t>(c10::elementSize(t));
   const int64_t bytes = (b.displ.back() + b.count.back()) * es;
   const int64_t own_at = b.displ[p.rank] * es, own_bytes = b.count[p.rank] * es;
   ArenaBlock stage(p.arena);
   int64_t mine = p.arena->offset_of(in, bytes);
-  if (mine < 0 && stage.allocate(bytes) >= 0) {
+  if (mine < 0 && may_stage && stage.allocate(bytes) >= 0) {
     mine = stage.offset();
     char* s = p.arena->base(p.rank) + mine;
     std::memcpy(s, in, static_cast<size_t>(own_at));
@@ -384,11 +385,12 @@ bool shm_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out, const
 }
 
 bool shm_gather(const Peers& p, c10::ScalarType t, char* out, const char* mine,
-                const Blocks& b) {
+                const Blocks& b, bool may_stage) {
   const auto es = static_cast<int64_t>(c10::elementSize(t));
+  const int64_t bytes = b.count[p.rank] * es;
   ArenaBlock stage(p.arena);
-  const std::vector<int64_t> at =
-      exchange_offsets(p, place_in_arena(p, mine, b.count[p.rank] * es, 0, stage));
+  const std::vector<int64_t> at = exchange_offsets(
+      p, may_stage ? place_in_arena(p, mine, bytes, 0, stage) : p.arena->offset_of(mine, bytes));
   if (at.empty()) return false;
   place_own_block(p, es, out, mine, b);
   for (int s = 1; s < p.size; ++s) {
@@ -430,7 +432,7 @@ void reduce(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, ReduceOp 
             const char* in, const Blocks& b) {
   if (algorithm == CpuAlgorithm::Ring) {
     ring_reduce(p, t, op, out, in, b);
-  } else if (algorithm != CpuAlgorithm::Shm || !shm_reduce(p, t, op, out, in, b)) {
+  } else if (algorithm != CpuAlgorithm::Shm || !shm_reduce(p, t, op, out, in, b, true)) {
     pairwise_reduce(p, t, op, out, in, b);
   }
 }
@@ -439,7 +441,7 @@ void gather(const Peers& p, CpuAlgorithm algorithm, c10::ScalarType t, char* out
             const char* mine, const Blocks& b) {
   if (algorithm == CpuAlgorithm::Ring) {
     ring_gather(p, t, out, mine, b);
-  } else if (algorithm != CpuAlgorithm::Shm || !shm_gather(p, t, out, mine, b)) {
+  } else if (algorithm != CpuAlgorithm::Shm || !shm_gather(p, t, out, mine, b, true)) {
     pairwise_gather(p, t, out, mine, b);
   }
 }
@@ -488,11 +490,6 @@ Choice choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int siz
   return c;
 }
 
-bool operands_shared(const Peers& p, const void* data, int64_t bytes) {
-  const std::vector<int64_t>& all = p.arena->barrier(p.arena->offset_of(data, bytes), p.poll);
-  return std::none_of(all.begin(), all.end(), [](int64_t o) { return o < 0; });
-}
-
 void wait_requests(MPI_Request* requests, int n, bool poll, const char* what) {
   if (n == 0) return;
   if (!poll) {
@@ -523,6 +520,17 @@ void reduce_scatter(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& ou
                     const at::Tensor& in, ReduceOp op) {
   reduce(p, algorithm, in.scalar_type(), op, bytes(out), static_cast<const char*>(in.data_ptr()),
          even_blocks(out.numel(), p.size));
+}
+
+bool all_gather_if_shared(const Peers& p, const at::Tensor& out, const at::Tensor& in) {
+  return shm_gather(p, in.scalar_type(), bytes(out), static_cast<const char*>(in.data_ptr()),
+                    even_blocks(in.numel(), p.size), /*may_stage=*/false);
+}
+
+bool reduce_scatter_if_shared(const Peers& p, const at::Tensor& out, const at::Tensor& in,
+                              ReduceOp op) {
+  return shm_reduce(p, in.scalar_type(), op, bytes(out), static_cast<const char*>(in.data_ptr()),
+                    even_blocks(out.numel(), p.size), /*may_stage=*/false);
 }
 
 void all_reduce(const Peers& p, CpuAlgorithm algorithm, const at::Tensor& t, ReduceOp op) {

@@ -59,8 +59,8 @@ std::vector<std::pair<const char*, int64_t*>> thresholds(CpuCollectives& s);
 
 // What runs: `shared` when every rank's operand (all-gather input,
 // reduce-scatter input) lies in the group's arena, `plain` otherwise. They
-// differ only under Auto on a group with an arena; then operands_shared()
-// finds out, at the cost of one barrier.
+// differ only under Auto on a group with an arena, where `shared` is Shm:
+// then *_if_shared() tries that first.
 struct Choice {
   CpuAlgorithm plain = CpuAlgorithm::Mpi;
   CpuAlgorithm shared = CpuAlgorithm::Mpi;
@@ -72,9 +72,12 @@ struct Choice {
 Choice choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int size,
               bool has_arena);
 
-// Collective over the group (one arena barrier): true on every rank when
-// each rank's [data, data + bytes) lies in its arena segment.
-bool operands_shared(const Peers& p, const void* data, int64_t bytes);
+// Shm on operands every rank already has in its arena (p.arena non-null),
+// the barrier that publishes them telling whether they do: false on every
+// rank, having done nothing else, when some rank's operand is elsewhere.
+bool all_gather_if_shared(const Peers& p, const at::Tensor& out, const at::Tensor& in);
+bool reduce_scatter_if_shared(const Peers& p, const at::Tensor& out, const at::Tensor& in,
+                              ReduceOp op);
 
 // Waits for n requests: inside MPI_Waitall, or with poll by MPI_Testall with
 // a short spin and then sleeps doubling from 8 us to 128 us (each test also

@@ -123,7 +123,8 @@ class MpiBackend final : public Backend {
                                            static_cast<int64_t>(in.nbytes()), size_,
                                            arena_ != nullptr);
     return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count, choice] {
-      const CpuAlgorithm algorithm = resolve(choice, in);
+      if (choice.shared != choice.plain && cpu::all_gather_if_shared(peers_, out, in)) return;
+      const CpuAlgorithm algorithm = choice.plain;
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::all_gather(peers_, algorithm, out, in);
         return;
@@ -152,7 +153,10 @@ class MpiBackend final : public Backend {
                                            arena_ != nullptr);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
                   [this, out, in, dt, mop, count, op, choice] {
-      const CpuAlgorithm algorithm = resolve(choice, in);
+      if (choice.shared != choice.plain && cpu::reduce_scatter_if_shared(peers_, out, in, op)) {
+        return;  // AVG divided inside
+      }
+      const CpuAlgorithm algorithm = choice.plain;
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::reduce_scatter(peers_, algorithm, out, in, op);  // AVG divides inside
         return;
@@ -280,16 +284,6 @@ class MpiBackend final : public Backend {
     auto work = std::make_shared<RequestWork>(request, std::move(t), std::move(info));
     if (!async_op) work->wait();
     return work;
-  }
-
-  // Runs on the comm thread: the choice's shared algorithm when every
-  // rank's operand lies in its arena (one barrier finds out), else the
-  // plain one.
-  CpuAlgorithm resolve(const cpu::Choice& c, const at::Tensor& operand) {
-    if (c.shared == c.plain) return c.plain;
-    return cpu::operands_shared(peers_, operand.data_ptr(), static_cast<int64_t>(operand.nbytes()))
-               ? c.shared
-               : c.plain;
   }
 
   WorkInfo describe(const char* op, const at::Tensor& payload) {
