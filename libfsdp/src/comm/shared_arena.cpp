@@ -8,7 +8,6 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
-#include <c10/util/accumulate.h>
 
 #include <fcntl.h>
 #include <sched.h>
@@ -18,8 +17,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -126,10 +127,13 @@ std::shared_ptr<SharedArena> SharedArena::create(MPI_Comm comm, std::string* why
   a->reserve_ = reserve;
   a->bases_.assign(static_cast<size_t>(size), nullptr);
   a->payloads_.assign(static_cast<size_t>(size), 0);
-  // pid + a per-process counter: unique on the node while the segment lives.
+  // pid + a per-process counter, and a random tag for PID namespaces that
+  // share one /dev/shm (containers). A clash fails shm_open (O_EXCL): then
+  // this group has no arena, on every rank.
   static std::atomic<int> counter{0};
+  static const unsigned tag = std::random_device{}();
   char name[kNameLen] = {};
-  std::snprintf(name, sizeof name, "/fsdp-%d-%d", static_cast<int>(getpid()), counter++);
+  std::snprintf(name, sizeof name, "/fsdp-%d-%d-%08x", static_cast<int>(getpid()), counter++, tag);
   std::string error;
   a->fd_ = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
   if (a->fd_ < 0) {
