@@ -55,17 +55,9 @@ int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 // Address space each segment reserves: FSDP_SHM_BYTES, else the node's
 // memory (a segment can never hold more), at least 1 GiB; 0: no arena.
 int64_t reserve_bytes() {
-  if (const char* env = std::getenv("FSDP_SHM_BYTES"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(env, &end, 10);
-    if (errno != 0 || *end != '\0' || v < 0) {
-      throw ArgumentError("FSDP_SHM_BYTES", std::string("FSDP_SHM_BYTES = '") + env +
-                                                "'; accepted: a byte count >= 0 (0: no "
-                                                "shared-memory arenas)");
-    }
-    return v == 0 ? 0 : round_up(std::max<int64_t>(v + kControlBytes, kGrowStep), kGrowStep);
-  }
+  const int64_t setting = shm_bytes_setting();
+  if (setting == 0) return 0;
+  if (setting > 0) return round_up(std::max<int64_t>(setting + kControlBytes, kGrowStep), kGrowStep);
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   const int64_t ram = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
   return round_up(std::max<int64_t>(ram, int64_t{1} << 30), kGrowStep);
@@ -97,6 +89,20 @@ bool all_true(bool mine, MPI_Comm comm) {
 std::string errno_text(const char* call) { return std::string(call) + ": " + std::strerror(errno); }
 
 }  // namespace
+
+int64_t shm_bytes_setting() {
+  const char* env = std::getenv("FSDP_SHM_BYTES");
+  if (env == nullptr || *env == '\0') return -1;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  if (errno != 0 || *end != '\0' || v < 0) {
+    throw ArgumentError("FSDP_SHM_BYTES", std::string("FSDP_SHM_BYTES = '") + env +
+                                              "'; accepted: a byte count >= 0 (0: no "
+                                              "shared-memory arenas)");
+  }
+  return v;
+}
 
 std::shared_ptr<SharedArena> SharedArena::create(MPI_Comm comm, std::string* why) {
   int rank = 0, size = 1;

@@ -33,6 +33,12 @@
 
 namespace fsdp::detail::cpu {
 
+// $FSDP_SHM_BYTES: -1 when unset, else the byte count (0: no arenas).
+// ArgumentError naming it when it is not a whole number >= 0. The Runtime
+// reads it at start-up and refuses values that differ across ranks: peers map
+// each other's segments with their own reserve.
+int64_t shm_bytes_setting();
+
 class SharedArena {
  public:
   // Collective over `comm`. Null on every rank when the ranks do not all

@@ -147,6 +147,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   timeout_seconds_ = timeout_from(options.timeout_seconds);
   check_collectives_ = check_collectives_from(options.check_collectives);
   cpu_collectives_ = cpu_collectives_from(options.cpu_collectives);
+  const int64_t shm_bytes = detail::cpu::shm_bytes_setting();
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
@@ -179,6 +180,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   std::vector<int64_t> mine = {check_collectives_ ? 1 : 0,
                                static_cast<int64_t>(cpu_collectives_.algorithm)};
   for (const auto& field : detail::cpu::thresholds(cpu_collectives_)) mine.push_back(*field.second);
+  mine.push_back(shm_bytes);  // last: checked on its own below
   const int kAgreed = static_cast<int>(mine.size());
   std::vector<int64_t> both(2 * mine.size()), agreed(2 * mine.size());
   for (int i = 0; i < kAgreed; ++i) {
@@ -202,9 +204,15 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
                               (check_collectives_ ? "detail" : "off") +
                               "); set it the same on every rank");
     }
+    if (differs(kAgreed - 1)) {
+      throw ArgumentError("FSDP_SHM_BYTES",
+                          "FSDP_SHM_BYTES differs across ranks (this rank: " +
+                              (shm_bytes < 0 ? std::string("unset") : std::to_string(shm_bytes)) +
+                              "); set it the same on every rank");
+    }
     std::string fields;
     const auto named = detail::cpu::thresholds(cpu_collectives_);
-    for (int i = 2; i < kAgreed; ++i) {
+    for (int i = 2; i < kAgreed - 1; ++i) {
       if (!differs(i)) continue;
       const auto& [name, value] = named[static_cast<size_t>(i - 2)];
       fields += std::string(", ") + name + " " + std::to_string(*value) + " B";
