@@ -15,7 +15,8 @@
 // Sizes: tiny (fewer elements than ranks for all-reduce), uneven, and past
 // the pairwise chunk (256 KiB per peer); groups: the world, and at 4 ranks
 // both dims of a 2x2 mesh. Runs at np 2, 3 (no power-of-two assumption)
-// and 4.
+// and 4. Shared-memory barriers count epochs in 32 bits from just below the
+// wrap, so every shm case here runs across it.
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -26,8 +27,11 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -452,6 +456,42 @@ BOOST_AUTO_TEST_CASE(shm_reads_shared_memory_inputs_in_place) {
                "all-gather staged a shared-memory input" << where);
     const at::Tensor blocks = group_rows(gather_world(values.narrow(0, 0, block).contiguous()), g);
     BOOST_TEST(at::equal(gathered, blocks.reshape({-1})), "all-gather in place" << where);
+  }
+}
+
+// A rank that waits long in a shared-memory barrier (its peer still
+// computing) must give its core back: after a short spin and ~1 ms of
+// yielding it sleeps until the peer's arrival wakes it. The last rank comes
+// 300 ms late; the others' CPU time over the call (every thread of the
+// process) stays far below that, and the result is still right. Waiting by
+// yielding alone burns the whole 300 ms on an idle core.
+BOOST_AUTO_TEST_CASE(shm_waiters_sleep_while_a_peer_is_late) {
+  KeepSettings keep;
+  use(CpuAlgorithm::Shm);
+  const auto g = fsdp::world_group();
+  const int n = g->size();
+  const bool late = g->rank() == n - 1;
+  const int64_t block = 4096;
+  const at::Tensor values = input(at::kFloat, block, 13);
+  at::Tensor out = g->empty_for_collectives({block * n}, values.options());
+  const at::Tensor mine = out.narrow(0, g->rank() * block, block);
+  mine.copy_(values);
+  const at::Tensor want = gather_world(values).reshape({-1});
+  MPI_Barrier(g_ref_comm);
+  if (late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto wall0 = std::chrono::steady_clock::now();
+  timespec cpu0{}, cpu1{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu0);
+  g->all_gather_into_tensor(out, mine);
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu1);
+  const double wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
+  const double cpu_ms = (cpu1.tv_sec - cpu0.tv_sec) * 1e3 + (cpu1.tv_nsec - cpu0.tv_nsec) / 1e6;
+  BOOST_TEST(at::equal(out, want));
+  if (!late) {
+    BOOST_TEST_REQUIRE(wall_ms >= 200.0, "this rank did not wait for the late one: " << wall_ms
+                                                                                      << " ms");
+    BOOST_TEST(cpu_ms < 100.0, "waited " << wall_ms << " ms using " << cpu_ms << " ms of CPU");
   }
 }
 

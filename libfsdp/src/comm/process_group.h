@@ -207,6 +207,9 @@ struct CommSettings {
   // The Runtime's device: groups built while it is CUDA create their NCCL
   // communicator at once (make_nccl_backend, eager).
   c10::Device device{c10::kCPU};
+  // More ranks on this node than it has online CPUs: shared-memory waits
+  // yield the core at once instead of spinning first.
+  bool node_oversubscribed = false;
 };
 // Set by the Runtime before any group exists; read by groups and the watchdog.
 void configure_comm(const CommSettings& settings);

@@ -10,19 +10,21 @@
 #include <torch/version.h>
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
-#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -34,13 +36,19 @@
 namespace fsdp::detail::cpu {
 
 // At the start of every segment; the rest of its first page is unused so
-// that allocations never share a cache line with the counters.
+// that allocations never share a cache line with the counters. The epoch
+// is also the futex word its waiters sleep on; sleepers counts them, so an
+// arriving rank makes the wake-up call only when someone sleeps.
 struct SharedArena::Control {
-  alignas(64) std::atomic<uint64_t> epoch;
+  alignas(64) std::atomic<uint32_t> epoch;
+  std::atomic<uint32_t> sleepers;
   alignas(64) std::atomic<int64_t> slot[2];
 };
-static_assert(std::atomic<uint64_t>::is_always_lock_free,
-              "shared-memory counters must be lock-free (address-free) atomics");
+static_assert(std::atomic<uint32_t>::is_always_lock_free &&
+                  std::atomic<int64_t>::is_always_lock_free &&
+                  sizeof(std::atomic<uint32_t>) == sizeof(uint32_t),
+              "shared-memory counters must be lock-free (address-free) atomics, and the "
+              "epoch a plain 32-bit futex word");
 
 namespace {
 
@@ -85,6 +93,27 @@ bool all_true(bool mine, MPI_Comm comm) {
   check_mpi(MPI_Allreduce(&v, &all, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
   return all == 1;
 }
+
+// Epochs wrap at 2^32; a peer is never more than one epoch away, so
+// serial-number order is exact.
+bool reached(uint32_t seen, uint32_t e) { return static_cast<int32_t>(seen - e) >= 0; }
+// Every arena starts just below the wrap, so every job (and every shm test)
+// crosses it within its first collectives.
+constexpr uint32_t kFirstEpoch = 0xFFFFFFF0u;
+
+uint32_t* futex_word(std::atomic<uint32_t>& a) { return reinterpret_cast<uint32_t*>(&a); }
+
+// How long a waiter spins before it yields: on a node with more ranks than
+// cores the peer it waits for may need this very core, so not at all (at np
+// 4 on 2 cores a 1 MiB all-gather took 3.5x the copy limit spinning 256,
+// 2.5x not spinning; fsdp-bench collectives).
+int spins_before_yield() { return comm_settings().node_oversubscribed ? 0 : 256; }
+
+// How long a waiter then yields before it sleeps until the peer's arrival
+// wakes it: long enough for the barriers of collectives, whose peers arrive
+// within tens of microseconds; a longer wait (a peer still computing) gives
+// its core to the compute threads.
+constexpr std::chrono::microseconds kYieldFor{1000};
 
 std::string errno_text(const char* call) { return std::string(call) + ": " + std::strerror(errno); }
 
@@ -131,6 +160,8 @@ std::shared_ptr<SharedArena> SharedArena::create(MPI_Comm comm, std::string* why
   std::shared_ptr<SharedArena> a(new SharedArena());
   a->rank_ = rank;
   a->reserve_ = reserve;
+  a->spins_ = spins_before_yield();
+  a->epoch_ = kFirstEpoch;
   a->bases_.assign(static_cast<size_t>(size), nullptr);
   a->payloads_.assign(static_cast<size_t>(size), 0);
   // pid + a per-process counter, and a random tag for PID namespaces that
@@ -157,7 +188,8 @@ std::shared_ptr<SharedArena> SharedArena::create(MPI_Comm comm, std::string* why
   }
   if (error.empty()) {
     Control* c = new (a->base(rank)) Control();
-    c->epoch.store(0, std::memory_order_relaxed);
+    c->epoch.store(kFirstEpoch, std::memory_order_relaxed);
+    c->sleepers.store(0, std::memory_order_relaxed);
     c->slot[0].store(0, std::memory_order_relaxed);
     c->slot[1].store(0, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(a->mu_);
@@ -284,28 +316,40 @@ int64_t SharedArena::offset_of(const void* p, int64_t bytes) const {
 }
 
 const std::vector<int64_t>& SharedArena::barrier(int64_t payload, bool poll) {
-  const uint64_t e = ++epoch_;
+  const uint32_t e = ++epoch_;
   Control* mine = control(rank_);
   mine->slot[e & 1].store(payload, std::memory_order_relaxed);
-  mine->epoch.store(e, std::memory_order_release);
+  // seq_cst store, then load: with the waiters' increment-then-load below,
+  // either the waiter sees this epoch or this rank sees the waiter.
+  mine->epoch.store(e, std::memory_order_seq_cst);
+  if (mine->sleepers.load(std::memory_order_seq_cst) != 0) {
+    syscall(SYS_futex, futex_word(mine->epoch), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
   payloads_[static_cast<size_t>(rank_)] = payload;
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
     Control* c = control(r);
-    // A short spin covers peers that arrive together; then the core goes to
-    // whoever needs it: yielding (the waiting rank may share its core with
-    // the peer it waits for) or, for polling groups, sleeping.
+    // A short spin covers peers that arrive together, a while of yielding
+    // a peer that shares this core and is about to arrive; then this rank
+    // sleeps and the peer's arrival wakes it. Polling groups (a second comm
+    // thread, beside the compute threads) sleep after the spin.
     int spins = 0;
-    std::chrono::microseconds nap(8);
-    while (c->epoch.load(std::memory_order_acquire) < e) {
-      if (spins < 256) {
+    const auto yield_until = std::chrono::steady_clock::now() +
+                             (poll ? std::chrono::microseconds(0) : kYieldFor);
+    while (!reached(c->epoch.load(std::memory_order_acquire), e)) {
+      if (spins < spins_) {
         ++spins;
         FSDP_CPU_RELAX();
-      } else if (poll) {
-        std::this_thread::sleep_for(nap);
-        nap = std::min(nap * 2, std::chrono::microseconds(128));
-      } else {
+      } else if (std::chrono::steady_clock::now() < yield_until) {
         sched_yield();
+      } else {
+        c->sleepers.fetch_add(1, std::memory_order_seq_cst);
+        uint32_t seen = 0;
+        const timespec patience{0, 100 * 1000 * 1000};
+        while (!reached(seen = c->epoch.load(std::memory_order_seq_cst), e)) {
+          syscall(SYS_futex, futex_word(c->epoch), FUTEX_WAIT, seen, &patience, nullptr, 0);
+        }
+        c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       }
     }
     payloads_[static_cast<size_t>(r)] = c->slot[e & 1].load(std::memory_order_relaxed);

@@ -14,7 +14,8 @@
 //
 // Synchronisation: barrier(payload) publishes `payload` in the slot of the
 // next epoch, bumps the epoch (release) and waits until every peer's epoch
-// has reached it (acquire). Two slots alternate: a peer can be at most one
+// has reached it (acquire): spinning briefly, then yielding, then asleep on
+// the peer's epoch as a futex, woken by the peer's arrival. Two slots alternate: a peer can be at most one
 // epoch ahead, so the slot of the epoch a slow peer still reads is never
 // overwritten.
 #pragma once
@@ -63,8 +64,8 @@ class SharedArena {
   int64_t offset_of(const void* p, int64_t bytes) const;
 
   // Publishes `payload` and waits until every rank has reached this
-  // barrier; returns every rank's payload (index = rank). poll: wait with
-  // short sleeps instead of yielding the core (see Peers::poll).
+  // barrier; returns every rank's payload (index = rank). poll: sleep right
+  // after the spin instead of yielding the core first (see Peers::poll).
   const std::vector<int64_t>& barrier(int64_t payload, bool poll);
 
   // Bytes backing this rank's segment now.
@@ -80,7 +81,8 @@ class SharedArena {
   int fd_ = -1;
   int64_t reserve_ = 0;
   std::vector<char*> bases_;
-  uint64_t epoch_ = 0;
+  uint32_t epoch_ = 0;
+  int spins_ = 0;  // before a waiter yields
   std::vector<int64_t> payloads_;
 
   mutable std::mutex mu_;

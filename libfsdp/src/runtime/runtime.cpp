@@ -18,6 +18,7 @@
 
 #include <dlfcn.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <climits>
@@ -249,7 +250,9 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   blas_library_ = loaded_blas_library();
 
   detail::init_mpi_types();
-  detail::configure_comm({timeout_seconds_, check_collectives_, device_});
+  const long online_cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  detail::configure_comm({timeout_seconds_, check_collectives_, device_,
+                          online_cpus > 0 && local_size_ > online_cpus});
   set_cpu_collectives(cpu_collectives_);
   detail::init_group_registry();
   g_runtime = this;
