@@ -72,9 +72,9 @@ struct CpuCollectives {
   // outside it -- and at every size when every rank's operand (all-gather
   // output, reduce-scatter input) comes from empty_for_collectives, where
   // shm copies nothing in. Measured on 2 cores at np 2 and 4 (README).
-  int64_t all_gather_shm_min_bytes = 512 << 10;
+  int64_t all_gather_shm_min_bytes = 4 << 10;
   int64_t all_gather_shm_max_bytes = 4 << 20;
-  int64_t reduce_scatter_shm_min_bytes = 8 << 10;
+  int64_t reduce_scatter_shm_min_bytes = 4 << 10;
   int64_t reduce_scatter_shm_max_bytes = 2 << 20;
   int64_t all_reduce_shm_min_bytes = 4 << 10;
   int64_t all_reduce_shm_max_bytes = 512 << 10;
