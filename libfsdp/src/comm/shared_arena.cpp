@@ -315,11 +315,36 @@ int64_t SharedArena::offset_of(const void* p, int64_t bytes) const {
   return c - b;
 }
 
+void SharedArena::wait_for(Control* c, uint32_t e, bool poll) const {
+  // A short spin covers peers that arrive together, a while of yielding a
+  // peer that shares this core and is about to arrive; then this rank sleeps
+  // and the peer's arrival wakes it. Polling groups (a second comm thread,
+  // beside the compute threads) sleep after the spin.
+  for (int spins = 0; spins < spins_; ++spins) {
+    if (reached(c->epoch.load(std::memory_order_acquire), e)) return;
+    FSDP_CPU_RELAX();
+  }
+  if (!poll) {
+    const auto yield_until = std::chrono::steady_clock::now() + kYieldFor;
+    while (std::chrono::steady_clock::now() < yield_until) {
+      if (reached(c->epoch.load(std::memory_order_acquire), e)) return;
+      sched_yield();
+    }
+  }
+  c->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  const timespec patience{0, 100 * 1000 * 1000};
+  uint32_t seen = 0;
+  while (!reached(seen = c->epoch.load(std::memory_order_seq_cst), e)) {
+    syscall(SYS_futex, futex_word(c->epoch), FUTEX_WAIT, seen, &patience, nullptr, 0);
+  }
+  c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
 const std::vector<int64_t>& SharedArena::barrier(int64_t payload, bool poll) {
   const uint32_t e = ++epoch_;
   Control* mine = control(rank_);
   mine->slot[e & 1].store(payload, std::memory_order_relaxed);
-  // seq_cst store, then load: with the waiters' increment-then-load below,
+  // seq_cst store, then load: with the waiters' increment-then-load (wait_for),
   // either the waiter sees this epoch or this rank sees the waiter.
   mine->epoch.store(e, std::memory_order_seq_cst);
   if (mine->sleepers.load(std::memory_order_seq_cst) != 0) {
@@ -329,29 +354,7 @@ const std::vector<int64_t>& SharedArena::barrier(int64_t payload, bool poll) {
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
     Control* c = control(r);
-    // A short spin covers peers that arrive together, a while of yielding
-    // a peer that shares this core and is about to arrive; then this rank
-    // sleeps and the peer's arrival wakes it. Polling groups (a second comm
-    // thread, beside the compute threads) sleep after the spin.
-    int spins = 0;
-    const auto yield_until = std::chrono::steady_clock::now() +
-                             (poll ? std::chrono::microseconds(0) : kYieldFor);
-    while (!reached(c->epoch.load(std::memory_order_acquire), e)) {
-      if (spins < spins_) {
-        ++spins;
-        FSDP_CPU_RELAX();
-      } else if (std::chrono::steady_clock::now() < yield_until) {
-        sched_yield();
-      } else {
-        c->sleepers.fetch_add(1, std::memory_order_seq_cst);
-        uint32_t seen = 0;
-        const timespec patience{0, 100 * 1000 * 1000};
-        while (!reached(seen = c->epoch.load(std::memory_order_seq_cst), e)) {
-          syscall(SYS_futex, futex_word(c->epoch), FUTEX_WAIT, seen, &patience, nullptr, 0);
-        }
-        c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      }
-    }
+    if (!reached(c->epoch.load(std::memory_order_acquire), e)) wait_for(c, e, poll);
     payloads_[static_cast<size_t>(r)] = c->slot[e & 1].load(std::memory_order_relaxed);
   }
   return payloads_;

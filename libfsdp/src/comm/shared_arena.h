@@ -15,9 +15,9 @@
 // Synchronisation: barrier(payload) publishes `payload` in the slot of the
 // next epoch, bumps the epoch (release) and waits until every peer's epoch
 // has reached it (acquire): spinning briefly, then yielding, then asleep on
-// the peer's epoch as a futex, woken by the peer's arrival. Two slots alternate: a peer can be at most one
-// epoch ahead, so the slot of the epoch a slow peer still reads is never
-// overwritten.
+// the peer's epoch as a futex, woken by the peer's arrival. Two slots
+// alternate: a peer can be at most one epoch ahead, so the slot of the epoch
+// a slow peer still reads is never overwritten.
 #pragma once
 
 #include <mpi.h>
@@ -75,6 +75,8 @@ class SharedArena {
   struct Control;
   SharedArena() = default;
   Control* control(int r) const;
+  // Until peer control `c` reaches epoch e (see barrier).
+  void wait_for(Control* c, uint32_t e, bool poll) const;
   bool grow_locked(int64_t to);
 
   int rank_ = 0;
