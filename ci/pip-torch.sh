@@ -6,7 +6,7 @@
 #
 # --python also installs what `import torch` needs (torch's pure-Python
 # requirements: typing-extensions, sympy, ...; and numpy), for the PyTorch FSDP2 / DDP
-# benchmark peer (libfsdp/tools/bench/peers/); a C++ build does not need it.
+# benchmark peer (tools/fsdp-bench/peers/); a C++ build does not need it.
 #
 # The wheel's full dependency set (cuDNN, cuBLAS, Triton, ...) is several GB; a
 # C++ build needs only the libraries libtorch_cuda.so links that the CUDA

@@ -37,7 +37,7 @@ done
 
 start=$(date +%s)
 status=0
-mpiexec -n "$np" "${extra[@]}" "$build/libfsdp/tools/train/fsdp-train" "$@" || status=$?
+mpiexec -n "$np" "${extra[@]}" "$build/tools/fsdp-train/fsdp-train" "$@" || status=$?
 echo "ci/train.sh: fsdp-train exited with $status after $(($(date +%s) - start))s on $np ranks;" \
      "outputs in $(cd "$out" 2>/dev/null && pwd || echo "$out")/ (loss.png, loss.csv, checkpoint/)"
 exit "$status"

@@ -6,7 +6,7 @@
 // test_comm_errors.cpp does for the collectives (whose cases are not
 // repeated here). Every rank passes the same bad input, so every rank
 // throws alike. The fsdp-train flag cases are CTest entries
-// (fsdp_train_flag_*_error in libfsdp/tools/train/CMakeLists.txt).
+// (fsdp_train_flag_*_error in tools/fsdp-train/CMakeLists.txt).
 //
 // Cases by outcome (test_case_table_is_complete checks the totals):
 //

@@ -272,7 +272,7 @@ if [ "$built" = 1 ] && ! has_target fsdp-train; then
   record train SKIP 0 "not among H200_TARGETS"
 elif [ "$built" = 1 ]; then
   run_step train 90 "fsdp-train --device cuda --mp bf16 at np 1" \
-    "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/libfsdp/tools/train/fsdp-train" \
+    "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/tools/fsdp-train/fsdp-train" \
     --device cuda --mp bf16 --steps "$train_steps" --log-every 5 --out "$out/train"
   if [ "$dry" = 0 ]; then
     tps="$(grep -oE '[0-9]+ tok/s over the run' "$out/logs/train.log" | tail -1)"
@@ -288,7 +288,7 @@ if [ "$built" = 1 ] && ! has_target fsdp-bench; then
   record bench SKIP 0 "not among H200_TARGETS"
 elif [ "$built" = 1 ]; then
   run_step bench 90 "fsdp-bench train --device cuda at np 1: fsdp vs single (target <= 1.03x)" \
-    "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/libfsdp/tools/fsdp-bench" train \
+    "$bprefix/bin/mpiexec" -n 1 --bind-to none "$build/tools/fsdp-bench/fsdp-bench" train \
     --device cuda --configs single,fsdp,fsdp-no-reshard --warmup 3 --steps 10 \
     --json "$out/bench-train.json"
   if [ "$dry" = 0 ]; then

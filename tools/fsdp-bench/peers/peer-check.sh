@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# fsdp_bench_peer_parity_np2: the PyTorch benchmark peer (libfsdp/tools/bench/peers)
+# fsdp_bench_peer_parity_np2: the PyTorch benchmark peer (tools/fsdp-bench/peers)
 # trains the same model as fsdp-bench train. compare.py runs both at np 2 for two
 # steps; the losses after them must agree -- libfsdp's single with the peer's
 # single (the same model, init and data on the same LibTorch), libfsdp's fsdp and
 # ddp with torch-fsdp2 and torch-ddp -- and the table must carry every row and
 # target line.
 #
-#   ci/peer-check.sh <fsdp-bench> <python with torch>
+#   tools/fsdp-bench/peers/peer-check.sh <fsdp-bench> <python with torch>
 set -euo pipefail
 bench="$1" python="$2"
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-"$python" "$root/libfsdp/tools/bench/peers/compare.py" --fsdp-bench "$bench" --np 2 \
+"$python" "$root/tools/fsdp-bench/peers/compare.py" --fsdp-bench "$bench" --np 2 \
   --dtypes float32 --rounds 1 --steps 2 --warmup 0 --mpiexec-args "--bind-to none" \
   --libfsdp-configs single,ddp,fsdp --peer-configs single,torch-ddp,torch-fsdp2 \
   --json "$out/compare.json" | tee "$out/table.txt"

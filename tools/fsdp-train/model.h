@@ -38,13 +38,13 @@ models::MoEDecoder build_moe_decoder(const TrainConfig& cfg);
 
 int64_t parameter_count(const torch::nn::Module& net);
 
-struct Pipeline;  // pipeline.h
+struct Pipeline;  // pipelined_decoder.h
 
 struct ShardedDecoder {
   // models::Decoder, or models::TPDecoder with --tp: the optimizer's
   // parameters, named as in the plain decoder. With --pp: a module holding
   // this rank's stages' pieces under the plain decoder's names (plus the
-  // last stage's tied "output.weight", see pipeline.h).
+  // last stage's tied "output.weight", see pipelined_decoder.h).
   std::shared_ptr<torch::nn::Module> net;
   // Mean next-byte cross-entropy of `tokens` [b, seq + 1], forward routed
   // through the root unit (the same value on every tp rank). Unset with --pp

@@ -4,8 +4,8 @@
 # and falls back to checkpoint.old/ when that one verifies; the fallback
 # then trains on to the same bits as the run that was never damaged.
 #
-#   ci/train-ckpt-verify-check.sh <fsdp-train> <train-ckpt-tamper> <work dir> setup
-#   ci/train-ckpt-verify-check.sh <fsdp-train> <train-ckpt-tamper> <work dir> <case>
+#   tools/fsdp-train/tests/ckpt-verify-check.sh <fsdp-train> <train-ckpt-tamper> <work dir> setup
+#   tools/fsdp-train/tests/ckpt-verify-check.sh <fsdp-train> <train-ckpt-tamper> <work dir> <case>
 #
 # `setup` trains 4 steps with a checkpoint every 2 into <work dir>/pristine
 # (checkpoint/ at step 4, checkpoint.old/ at step 2; the CTest fixture
@@ -14,7 +14,7 @@
 # meta-edited meta-missing-key meta-string all-damaged flags.
 # The damage goes into rank1.h5 (or meta.json): rank 0 must still print
 # rank 1's reason, which shows the ranks agreed on it.
-# Env: as ci/train-ckpt-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
+# Env: as tools/fsdp-train/tests/ckpt-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
 set -euo pipefail
 usage="usage: $0 <fsdp-train> <train-ckpt-tamper> <work dir> setup|<case>"
 train="${1:?$usage}"
@@ -22,8 +22,8 @@ tamper="${2:?$usage}"
 work="${3:?$usage}"
 case_name="${4:?$usage}"
 common=(--seq 64 --batch 4 --seed 7 --steps 4 --checkpoint-every 2)
-# shellcheck source=ci/train-ckpt-lib.sh
-source "$(dirname "$0")/train-ckpt-lib.sh"
+# shellcheck source=tools/fsdp-train/tests/ckpt-lib.sh
+source "$(dirname "$0")/ckpt-lib.sh"
 unset FSDP_TRAIN_CRASH_AT
 pristine="$work/pristine"
 param=embed.weight  # a parameter every rank holds a non-empty shard of

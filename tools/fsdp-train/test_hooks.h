@@ -2,12 +2,12 @@
 // make one rank misbehave at a named point of a step (README, "Test hooks").
 //
 //   FSDP_TRAIN_CRASH_AT=<point>[@<step>]  rank 0 SIGKILLs itself in a
-//       checkpoint save (points: checkpoint.cpp; ci/train-crash-check.sh)
+//       checkpoint save (points: checkpoint.cpp; tools/fsdp-train/tests/crash-check.sh)
 //   FSDP_TRAIN_STALL_AT=<point>[@<step>]  the last rank SIGSTOPs itself
 //       (points: "optimizer", after the optimizer step and before the
 //       loss is averaged, not reached with --pp, whose loss comes from the
 //       pipeline schedule; "save", before the checkpoint save's first
-//       agreement; ci/train-stall-check.sh)
+//       agreement; tools/fsdp-train/tests/stall-check.sh)
 //
 // Every rank reads the same environment, so a bad value is a ConfigError
 // naming the variable and the accepted form on every rank.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Crash safety of fsdp-train's checkpoint publish sequence: rank 0 is
-# SIGKILLed (test hook FSDP_TRAIN_CRASH_AT, libfsdp/tools/train/checkpoint.h)
+# SIGKILLed (test hook FSDP_TRAIN_CRASH_AT, tools/fsdp-train/resume_files.h)
 # right after one step of it, TWICE IN A ROW:
 #
 #   1. --steps 5 --checkpoint-every 1, killed after <point> of the save at step 3
@@ -11,13 +11,13 @@
 # bitwise the uninterrupted run's (loss.csv step,loss,grad_norm and every
 # checkpoint/rank<R>.h5).
 #
-#   ci/train-crash-check.sh <fsdp-train> <work dir> reference
-#   ci/train-crash-check.sh <fsdp-train> <work dir> <point> [extra fsdp-train flags]
+#   tools/fsdp-train/tests/crash-check.sh <fsdp-train> <work dir> reference
+#   tools/fsdp-train/tests/crash-check.sh <fsdp-train> <work dir> <point> [extra fsdp-train flags]
 #
 # `reference` writes the uninterrupted run into <work dir>/straight (the
 # CTest fixture fsdp_train_crash_reference); a point's run makes it if missing.
 # Points: written synced meta cleanup renamed-old renamed-new.
-# Env: as ci/train-ckpt-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
+# Env: as tools/fsdp-train/tests/ckpt-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
 # CTest runs it as fsdp_train_crash_<point>_np2 (labels cpu;train;np2;faults).
 set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> reference|<point> [flags]}"
@@ -25,8 +25,8 @@ work="${2:?usage: $0 <fsdp-train> <work dir> reference|<point> [flags]}"
 point="${3:?usage: $0 <fsdp-train> <work dir> reference|<point> [flags]}"
 shift 3
 common=(--seq 64 --batch 4 --seed 7 --steps 5 --checkpoint-every 1 "$@")
-# shellcheck source=ci/train-ckpt-lib.sh
-source "$(dirname "$0")/train-ckpt-lib.sh"
+# shellcheck source=tools/fsdp-train/tests/ckpt-lib.sh
+source "$(dirname "$0")/ckpt-lib.sh"
 unset FSDP_TRAIN_CRASH_AT
 mkdir -p "$work"
 straight="$work/straight"

@@ -4,7 +4,7 @@
 # losses and gradient norms in loss.csv and identical final checkpoint shards
 # (h5diff: parameter shards, AdamW state, attributes).
 #
-#   ci/train-resume-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
+#   tools/fsdp-train/tests/resume-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
 # Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS (extra mpiexec flags, e.g.
 # --oversubscribe), NP (default 2), STEPS (default 6, even).
@@ -14,7 +14,7 @@ train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
 # mpiexec, mpiexec_flags, np, fail, same_run, finish (and the h5diff check).
-source "$(dirname "${BASH_SOURCE[0]}")/train-ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
 steps="${STEPS:-6}"
 half=$((steps / 2))
 common=(--seq 64 --batch 4 --seed 7 "$@")

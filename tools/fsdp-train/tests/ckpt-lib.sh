@@ -1,5 +1,5 @@
-# Shared by ci/train-crash-check.sh, ci/train-ckpt-verify-check.sh,
-# ci/train-resume-check.sh and ci/train-determinism-check.sh (sourced, not run). Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS, NP
+# Shared by tools/fsdp-train/tests/crash-check.sh, tools/fsdp-train/tests/ckpt-verify-check.sh,
+# tools/fsdp-train/tests/resume-check.sh and tools/fsdp-train/tests/determinism-check.sh (sourced, not run). Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS, NP
 # (default 2); the caller sets `train` (the fsdp-train binary) and `common`
 # (an array of flags every run gets).
 

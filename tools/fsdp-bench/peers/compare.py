@@ -11,7 +11,7 @@ launches (odd rounds in reverse order). A config's step time is the median
 over rounds of its per-launch median (the slowest rank's step, as both
 programs measure it).
 
-    compare.py --fsdp-bench build-torch2/bench/libfsdp/tools/bench/fsdp-bench \\
+    compare.py --fsdp-bench build-torch2/bench/tools/fsdp-bench/fsdp-bench \\
                --np 2,4 --dtypes float32,bfloat16 --rounds 3 --json out.json
 
 Targets (summary lines; the issue "Performance against the real peer"):

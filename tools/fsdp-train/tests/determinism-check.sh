@@ -4,7 +4,7 @@
 # gradient norms (loss.csv columns step,loss,grad_norm: shortest round-trip
 # text, so equal text is equal bits).
 #
-#   ci/train-determinism-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
+#   tools/fsdp-train/tests/determinism-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
 # Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS (e.g. --oversubscribe), NP
 # (default 2), RUNS (default 3). CTest runs it as fsdp_train_determinism_np2
@@ -14,7 +14,7 @@ train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
 # mpiexec, mpiexec_flags, np.
-source "$(dirname "${BASH_SOURCE[0]}")/train-ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
 runs="${RUNS:-3}"
 rm -rf "$work" && mkdir -p "$work"
 

@@ -1,4 +1,4 @@
-#include "pipeline.h"
+#include "pipelined_decoder.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad.h>

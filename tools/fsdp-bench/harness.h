@@ -26,7 +26,7 @@ using Command = std::function<int(const fsdp::Runtime&)>;
 
 // Registers `collectives` on `app`; sets `chosen` when the user picks it.
 void add_collectives_command(CLI::App& app, Command& chosen);
-// Registers `train` (bench/train.cpp) likewise.
+// Registers `train` (fsdp-bench/train_step.cpp) likewise.
 void add_train_command(CLI::App& app, Command& chosen);
 
 // ---- sizes ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-// Test helper for ci/train-ckpt-verify-check.sh: damages a real fsdp-train
+// Test helper for tools/fsdp-train/tests/ckpt-verify-check.sh: damages a real fsdp-train
 // checkpoint in the ways a resume must refuse, keeping the checksums right
 // where the point is to reach a later check (NaN, shape, a lying step):
 //
@@ -10,7 +10,7 @@
 //
 // (A flipped byte, where the checksum must NOT be re-signed, is written by
 // the script with dd, below HDF5.)
-#include "checkpoint.h"
+#include "resume_files.h"
 
 #include <H5Cpp.h>
 

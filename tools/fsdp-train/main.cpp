@@ -15,14 +15,14 @@
 //
 // Rank 0 prints one progress line per step (progress.h), writes
 // <out>/loss.csv and <out>/loss.png, and every rank writes its shards of the
-// sharded HDF5 checkpoint <out>/checkpoint/ (checkpoint.h). --verify re-runs
+// sharded HDF5 checkpoint <out>/checkpoint/ (resume_files.h). --verify re-runs
 // the steps unsharded on rank 0 and compares the losses and the final
 // parameters (verify.h).
-#include "checkpoint.h"
+#include "resume_files.h"
 #include "config.h"
 #include "corpus.h"
 #include "model.h"
-#include "pipeline.h"
+#include "pipelined_decoder.h"
 #include "plot.h"
 #include "progress.h"
 #include "test_hooks.h"
@@ -172,7 +172,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
 
   // tp innermost: the ranks of one tp group are adjacent, and data-parallel
   // coordinate world_rank / tp. pp outermost: data-parallel coordinate
-  // world_rank % dp size (pipeline.h).
+  // world_rank % dp size (pipelined_decoder.h).
   std::vector<int64_t> shape = cfg.mesh_shape;
   std::vector<std::string> dims = {"shard"};
   if (cfg.hsdp()) dims.insert(dims.begin(), "replicate");

@@ -39,7 +39,7 @@
 // FSDP_TRAIN_CRASH_AT=<step name>[@<training step>] (for tests only): rank 0
 // SIGKILLs itself right after that step of the publish sequence (of the
 // first save that reaches it, or of the save at that training step), so
-// tests can crash a save at each step (ci/train-crash-check.sh).
+// tests can crash a save at each step (tools/fsdp-train/tests/crash-check.sh).
 //
 // All functions here are collective over the world (`comm`, watched like
 // every libfsdp collective); a failure on any rank fails on every rank with

@@ -1,4 +1,4 @@
-#include "checkpoint.h"
+#include "resume_files.h"
 
 #include "test_hooks.h"
 

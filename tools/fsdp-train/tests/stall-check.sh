@@ -10,7 +10,7 @@
 # place (the driver's loss average, a checkpoint agreement) rather than
 # wherever the signal happens to land.
 #
-#   ci/train-stall-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
+#   tools/fsdp-train/tests/stall-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
 # Env: MPIEXEC (default mpiexec), NP (default 2), FSDP_TIMEOUT (default 5),
 # FSDP_TRAIN_STALL_AT (unset). CTest runs it as fsdp_train_stall_np2 and
