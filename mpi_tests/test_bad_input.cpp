@@ -30,7 +30,7 @@
 // is present.
 #include "spmd.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/errors.h>
@@ -646,24 +646,24 @@ std::vector<Case> checkpoint_cases() {
   const Outcome T = Outcome::Typed;
   return {
       expect<ArgumentError>(T, "checkpoint with an empty fn", "fn", [] {
-        fsdp::checkpoint(fsdp::CheckpointFunction(), std::vector<at::Tensor>{at::zeros({2}, opts())},
+        fsdp::activation_checkpoint(fsdp::ActivationCheckpointFunction(), std::vector<at::Tensor>{at::zeros({2}, opts())},
                          std::vector<at::Tensor>{});
       }),
       expect<ArgumentError>(T, "checkpoint with an undefined input", "inputs", [] {
-        fsdp::checkpoint(
-            fsdp::CheckpointFunction([](const std::vector<at::Tensor>& in) { return in[0]; }),
+        fsdp::activation_checkpoint(
+            fsdp::ActivationCheckpointFunction([](const std::vector<at::Tensor>& in) { return in[0]; }),
             std::vector<at::Tensor>{at::Tensor()}, std::vector<at::Tensor>{});
       }),
-      expect<ArgumentError>(T, "checkpoint_module(nullptr)", "module",
-                            [] { fsdp::checkpoint_module(nullptr); }),
+      expect<ArgumentError>(T, "activation_checkpoint_module(nullptr)", "module",
+                            [] { fsdp::activation_checkpoint_module(nullptr); }),
       expect<ArgumentError>(T, "apply_activation_checkpointing with a null root", "root", [] {
         fsdp::apply_activation_checkpointing(
             nullptr, [](const std::string&, const torch::nn::Module&) {
-              return std::optional<fsdp::CheckpointOptions>();
+              return std::optional<fsdp::ActivationCheckpointOptions>();
             });
       }),
-      expect<ArgumentError>(T, "checkpoint_every_nth(0)", "n", [] {
-        fsdp::checkpoint_every_nth(0, [](const torch::nn::Module&) { return true; });
+      expect<ArgumentError>(T, "activation_checkpoint_every_nth(0)", "n", [] {
+        fsdp::activation_checkpoint_every_nth(0, [](const torch::nn::Module&) { return true; });
       }),
   };
 }

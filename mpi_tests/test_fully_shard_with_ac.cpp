@@ -16,7 +16,8 @@
 #include "spmd.h"
 #include "toy_models.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/checkpoint.h>  // the deprecated 0.1.0 names, tested last
 #include <fsdp/clip_grad.h>
 #include <fsdp/comm.h>
 #include <fsdp/errors.h>
@@ -106,7 +107,7 @@ struct NetImpl : torch::nn::Module {
     return head(x);
   }
   torch::nn::Linear inp{nullptr}, head{nullptr};
-  std::vector<fsdp::Checkpointed<fsdp::Sharded<Block>>> blocks;
+  std::vector<fsdp::ActivationCheckpointed<fsdp::Sharded<Block>>> blocks;
 };
 TORCH_MODULE(Net);
 
@@ -244,8 +245,8 @@ Worst run_parity(FsdpNet& s, Net& ref, int64_t rows, int steps, int64_t data_see
   return worst;
 }
 
-void mark_all_blocks(Net& net, fsdp::CheckpointOptions options) {
-  for (auto& b : net->blocks) fsdp::checkpoint_module(b, options);
+void mark_all_blocks(Net& net, fsdp::ActivationCheckpointOptions options) {
+  for (auto& b : net->blocks) fsdp::activation_checkpoint_module(b, options);
 }
 
 // ---------------------------------------------------------------------------
@@ -377,8 +378,8 @@ BOOST_AUTO_TEST_CASE(test_reentrant_ac_fsdp) {
   const NetConfig c;
   auto s = make_fsdp(11, c);
   auto ref = make_ref(11, c);
-  fsdp::CheckpointOptions options;
-  options.mode = fsdp::CheckpointMode::Reentrant;
+  fsdp::ActivationCheckpointOptions options;
+  options.mode = fsdp::ActivationCheckpointMode::Reentrant;
   mark_all_blocks(s.net, options);
   const Worst w = run_parity(s, ref, 16, 2, 100, [&](int) {
     for (size_t i = 0; i < c.hidden.size(); ++i) {
@@ -406,7 +407,7 @@ BOOST_AUTO_TEST_CASE(test_nonreentrant_ac_fsdp) {
   auto base = make_fsdp(21, c);
   auto s = make_fsdp(21, c);
   auto ref = make_ref(21, c);
-  mark_all_blocks(s.net, fsdp::CheckpointOptions{});  // NonReentrant is the default
+  mark_all_blocks(s.net, fsdp::ActivationCheckpointOptions{});  // NonReentrant is the default
 
   // Peak of one forward + backward above what was live when it started.
   auto measure = [&](FsdpNet& m, const toy::Batch& mine) {
@@ -460,7 +461,7 @@ BOOST_AUTO_TEST_CASE(test_selective_ac_fsdp) {
   auto s = make_fsdp(31, c);
   auto ref = make_ref(31, c);
   const int64_t marked = fsdp::apply_activation_checkpointing(
-      s.net.ptr(), fsdp::checkpoint_every_nth(2,
+      s.net.ptr(), fsdp::activation_checkpoint_every_nth(2,
                                               [](const torch::nn::Module& m) {
                                                 return dynamic_cast<const BlockImpl*>(&m) !=
                                                        nullptr;
@@ -468,7 +469,7 @@ BOOST_AUTO_TEST_CASE(test_selective_ac_fsdp) {
   BOOST_TEST(marked == 2);
   const std::set<size_t> checkpointed = {0, 2};
   for (size_t i = 0; i < c.hidden.size(); ++i) {
-    BOOST_TEST(fsdp::checkpoint_options_of(block(s.net, i)).has_value() ==
+    BOOST_TEST(fsdp::activation_checkpoint_options_of(block(s.net, i)).has_value() ==
                (checkpointed.count(i) == 1));
   }
   int64_t wrong_counts = 0;
@@ -503,25 +504,25 @@ BOOST_AUTO_TEST_CASE(test_ac_activation_swap_fsdp) {
     prec::note("[L2-06] compute device is the CPU: host and device coincide, so this run checks "
                "placement and parity; the host->device move itself runs under gpu2");
   }
-  for (auto mode : {fsdp::CheckpointMode::NonReentrant, fsdp::CheckpointMode::Reentrant}) {
-    const std::string tag = mode == fsdp::CheckpointMode::Reentrant ? "reentrant" : "non-reentrant";
+  for (auto mode : {fsdp::ActivationCheckpointMode::NonReentrant, fsdp::ActivationCheckpointMode::Reentrant}) {
+    const std::string tag = mode == fsdp::ActivationCheckpointMode::Reentrant ? "reentrant" : "non-reentrant";
     auto s = make_fsdp(41, c);
     auto ref = make_ref(41, c);
     int64_t saved_events = 0, recompute_events = 0, saved_off_host = 0, saved_unpinned = 0,
             recompute_off_device = 0;
-    fsdp::CheckpointOptions options;
+    fsdp::ActivationCheckpointOptions options;
     options.mode = mode;
     options.swap_inputs_to_host = true;
-    options.observer = [&](const fsdp::CheckpointEvent& e) {
+    options.observer = [&](const fsdp::ActivationCheckpointEvent& e) {
       for (const auto& t : e.tensors) {
-        if (e.kind == fsdp::CheckpointEvent::Kind::Saved) {
+        if (e.kind == fsdp::ActivationCheckpointEvent::Kind::Saved) {
           saved_off_host += t.is_cpu() ? 0 : 1;
           saved_unpinned += device.is_cuda() && !t.is_pinned() ? 1 : 0;
         } else {
           recompute_off_device += t.device() == device ? 0 : 1;
         }
       }
-      (e.kind == fsdp::CheckpointEvent::Kind::Saved ? saved_events : recompute_events) += 1;
+      (e.kind == fsdp::ActivationCheckpointEvent::Kind::Saved ? saved_events : recompute_events) += 1;
     };
     mark_all_blocks(s.net, options);
     int64_t probe_off_device = 0;
@@ -566,10 +567,10 @@ BOOST_AUTO_TEST_CASE(test_ac_recompute_regathers_fsdp) {
   fsdp::FullyShardOptions opts;
   opts.reshard_after_forward = true;
   opts.comm_fusion = true;
-  const std::vector<std::pair<std::string, std::optional<fsdp::CheckpointMode>>> modes = {
+  const std::vector<std::pair<std::string, std::optional<fsdp::ActivationCheckpointMode>>> modes = {
       {"no AC", std::nullopt},
-      {"reentrant", fsdp::CheckpointMode::Reentrant},
-      {"non-reentrant", fsdp::CheckpointMode::NonReentrant}};
+      {"reentrant", fsdp::ActivationCheckpointMode::Reentrant},
+      {"non-reentrant", fsdp::ActivationCheckpointMode::NonReentrant}};
   for (const auto& [tag, mode] : modes) {
     auto s = make_fsdp(51, c, opts);
     auto ref = make_ref(51, c);
@@ -577,7 +578,7 @@ BOOST_AUTO_TEST_CASE(test_ac_recompute_regathers_fsdp) {
       s.blocks[i].set_modules_to_forward_prefetch({s.blocks[i + 1]});
     }
     if (mode) {
-      fsdp::CheckpointOptions options;
+      fsdp::ActivationCheckpointOptions options;
       options.mode = *mode;
       mark_all_blocks(s.net, options);
     }
@@ -674,7 +675,7 @@ TORCH_MODULE(Scaled);
 struct HolderImpl : torch::nn::Module {
   HolderImpl() { inner = register_module("inner", Scaled()); }
   at::Tensor forward(at::Tensor x, at::Tensor y) { return inner(x, 1.5, y); }
-  fsdp::Checkpointed<Scaled> inner{nullptr};
+  fsdp::ActivationCheckpointed<Scaled> inner{nullptr};
 };
 TORCH_MODULE(Holder);
 
@@ -695,10 +696,10 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
   const c10::Device dev = spmd::device();
   const auto on_dev = at::TensorOptions().device(dev);
   // Gradients through a dropout model: plain vs checkpointed, same seed.
-  auto grads_of = [&](std::optional<fsdp::CheckpointOptions> options) {
+  auto grads_of = [&](std::optional<fsdp::ActivationCheckpointOptions> options) {
     Holder h;
     h->to(dev);
-    if (options) fsdp::checkpoint_module(h->inner, *options);
+    if (options) fsdp::activation_checkpoint_module(h->inner, *options);
     at::manual_seed(3);
     const at::Tensor x = at::randn({5, 6}, on_dev).requires_grad_(true);
     const at::Tensor y = at::randn({5, 6}, on_dev);
@@ -707,8 +708,8 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
     return std::vector<at::Tensor>{h->inner->fc->weight.grad(), x.grad()};
   };
   const auto plain = grads_of(std::nullopt);
-  for (auto mode : {fsdp::CheckpointMode::NonReentrant, fsdp::CheckpointMode::Reentrant}) {
-    fsdp::CheckpointOptions options;
+  for (auto mode : {fsdp::ActivationCheckpointMode::NonReentrant, fsdp::ActivationCheckpointMode::Reentrant}) {
+    fsdp::ActivationCheckpointOptions options;
     options.mode = mode;
     const auto ck = grads_of(options);
     BOOST_TEST(diff(ck[0], plain[0]) == 0.0);
@@ -726,24 +727,24 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
   // Grad mode off: a plain call, no graph.
   {
     at::NoGradGuard no_grad;
-    BOOST_TEST(!fsdp::checkpoint(lin_fn, {x}, lin->parameters()).requires_grad());
+    BOOST_TEST(!fsdp::activation_checkpoint(lin_fn, {x}, lin->parameters()).requires_grad());
   }
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint(fsdp::CheckpointFunction(), {x}), fsdp::ArgumentError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint(fsdp::ActivationCheckpointFunction(), {x}), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) { return names(e, "fn"); });
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint(lin_fn, {x, at::Tensor()}), fsdp::ArgumentError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint(lin_fn, {x, at::Tensor()}), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) {
                           return names(e, "inputs") && mentions(e, "'inputs'[1]");
                         });
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint(lin_fn, {x}, {at::Tensor()}), fsdp::ArgumentError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint(lin_fn, {x}, {at::Tensor()}), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) { return names(e, "params"); });
   // Non-reentrant, a parameter read but not passed: its gradient has no way
   // out, which backward reports instead of dropping it.
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint(lin_fn, {x}).sum().backward(), fsdp::StateError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint(lin_fn, {x}).sum().backward(), fsdp::StateError,
                         [](const fsdp::StateError& e) { return mentions(e, "'params'"); });
   // A tensor requiring grad computed outside fn and captured by it.
   const at::Tensor outside = x * 2;
   BOOST_CHECK_EXCEPTION(
-      fsdp::checkpoint([&](const std::vector<at::Tensor>& in) { return in[0] * outside; }, {x})
+      fsdp::activation_checkpoint([&](const std::vector<at::Tensor>& in) { return in[0] * outside; }, {x})
           .sum()
           .backward(),
       fsdp::StateError, [](const fsdp::StateError& e) { return mentions(e, "'inputs'"); });
@@ -765,11 +766,11 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
     };
     // Reentrant: no leaf check that would catch it another way; the
     // gradient would reach x twice.
-    fsdp::CheckpointOptions reentrant;
-    reentrant.mode = fsdp::CheckpointMode::Reentrant;
-    for (const auto& options : {fsdp::CheckpointOptions{}, reentrant}) {
+    fsdp::ActivationCheckpointOptions reentrant;
+    reentrant.mode = fsdp::ActivationCheckpointMode::Reentrant;
+    for (const auto& options : {fsdp::ActivationCheckpointOptions{}, reentrant}) {
       const std::string captured = backward_on_another_thread(
-          fsdp::checkpoint([&](const std::vector<at::Tensor>& in) { return in[0] * outside; },
+          fsdp::activation_checkpoint([&](const std::vector<at::Tensor>& in) { return in[0] * outside; },
                            {x}, {}, options)
               .sum());
       BOOST_TEST(captured.find("was computed outside it") != std::string::npos,
@@ -780,14 +781,14 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
     const at::Tensor expected = lin->weight.grad().clone();
     lin->zero_grad();
     const std::string correct = backward_on_another_thread(
-        fsdp::checkpoint(lin_fn, {x.detach()}, lin->parameters()).sum());
+        fsdp::activation_checkpoint(lin_fn, {x.detach()}, lin->parameters()).sum());
     BOOST_TEST(correct.empty(), "correct use, backward on another thread: '" << correct << "'");
     BOOST_TEST(diff(lin->weight.grad(), expected) == 0.0);
   }
   // An input modified in place between forward and backward.
   {
     at::Tensor moving = at::randn({2, 3}, on_dev);
-    const at::Tensor out = fsdp::checkpoint(lin_fn, {moving}, lin->parameters());
+    const at::Tensor out = fsdp::activation_checkpoint(lin_fn, {moving}, lin->parameters());
     BOOST_TEST(out.requires_grad());
     moving.add_(1);
     BOOST_CHECK_EXCEPTION(out.sum().backward(), fsdp::StateError,
@@ -799,27 +800,27 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {
     lin(x).sum().backward();
     const at::Tensor expected = lin->weight.grad().clone();
     lin->zero_grad();
-    fsdp::checkpoint([&](const at::Tensor& t) { return lin(t); }, x.detach(), lin->parameters())
+    fsdp::activation_checkpoint([&](const at::Tensor& t) { return lin(t); }, x.detach(), lin->parameters())
         .sum()
         .backward();
     BOOST_TEST(diff(lin->weight.grad(), expected) == 0.0);
   }
   const auto any_module = [](const torch::nn::Module&) { return true; };
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint_every_nth(0, any_module), fsdp::ArgumentError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint_every_nth(0, any_module), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) { return names(e, "n"); });
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint_every_nth(1, nullptr), fsdp::ArgumentError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint_every_nth(1, nullptr), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) { return names(e, "filter"); });
   BOOST_CHECK_EXCEPTION(
-      fsdp::apply_activation_checkpointing(nullptr, fsdp::checkpoint_names({"a"})),
+      fsdp::apply_activation_checkpointing(nullptr, fsdp::activation_checkpoint_names({"a"})),
       fsdp::ArgumentError, [](const fsdp::ArgumentError& e) { return names(e, "root"); });
-  BOOST_CHECK_EXCEPTION(fsdp::checkpoint_module(nullptr), fsdp::ArgumentError,
+  BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint_module(nullptr), fsdp::ArgumentError,
                         [](const fsdp::ArgumentError& e) { return names(e, "module"); });
   // Marks come and go.
   Holder h;
-  fsdp::checkpoint_module(h->inner);
-  BOOST_TEST(fsdp::checkpoint_options_of(*h->inner.ptr()).has_value());
-  fsdp::uncheckpoint_module(*h->inner.ptr());
-  BOOST_TEST(!fsdp::checkpoint_options_of(*h->inner.ptr()).has_value());
+  fsdp::activation_checkpoint_module(h->inner);
+  BOOST_TEST(fsdp::activation_checkpoint_options_of(*h->inner.ptr()).has_value());
+  fsdp::remove_activation_checkpoint(*h->inner.ptr());
+  BOOST_TEST(!fsdp::activation_checkpoint_options_of(*h->inner.ptr()).has_value());
 }
 
 // ---------------------------------------------------------------------------
@@ -840,10 +841,10 @@ BOOST_AUTO_TEST_CASE(test_ac_mixed_precision_fsdp) {
     std::vector<double> losses;
     std::vector<std::map<std::string, at::Tensor>> grads;
   };
-  auto run = [&](std::optional<fsdp::CheckpointMode> mode) {
+  auto run = [&](std::optional<fsdp::ActivationCheckpointMode> mode) {
     auto s = make_fsdp(61, c, opts);
     if (mode) {
-      fsdp::CheckpointOptions options;
+      fsdp::ActivationCheckpointOptions options;
       options.mode = *mode;
       mark_all_blocks(s.net, options);
     }
@@ -868,8 +869,8 @@ BOOST_AUTO_TEST_CASE(test_ac_mixed_precision_fsdp) {
     return r;
   };
   const Run plain = run(std::nullopt);
-  for (auto mode : {fsdp::CheckpointMode::NonReentrant, fsdp::CheckpointMode::Reentrant}) {
-    const std::string tag = mode == fsdp::CheckpointMode::Reentrant ? "reentrant" : "non-reentrant";
+  for (auto mode : {fsdp::ActivationCheckpointMode::NonReentrant, fsdp::ActivationCheckpointMode::Reentrant}) {
+    const std::string tag = mode == fsdp::ActivationCheckpointMode::Reentrant ? "reentrant" : "non-reentrant";
     const Run ac = run(mode);
     double worst = 0;
     int64_t undefined = 0;
@@ -890,3 +891,35 @@ BOOST_AUTO_TEST_CASE(test_ac_mixed_precision_fsdp) {
     BOOST_TEST(worst == 0.0);
   }
 }
+
+// The 0.1.0 names (fsdp/checkpoint.h, deprecated for one release) still
+// compile and reach the renamed API: same output and gradient as
+// activation_checkpoint, and a module marked through the old name reads back
+// through the new one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+BOOST_AUTO_TEST_CASE(test_deprecated_checkpoint_names_forward) {
+  const auto on_dev = at::TensorOptions().device(spmd::device());
+  torch::nn::Linear lin(3, 3);
+  lin->to(spmd::device());
+  const at::Tensor x = at::randn({2, 3}, on_dev);
+  auto lin_fn = [&](const std::vector<at::Tensor>& in) { return lin(in[0]); };
+  const at::Tensor old_out = fsdp::checkpoint(lin_fn, {x}, lin->parameters());
+  old_out.sum().backward();
+  const at::Tensor old_grad = lin->weight.grad().clone();
+  lin->weight.mutable_grad().zero_();
+  const at::Tensor new_out = fsdp::activation_checkpoint(lin_fn, {x}, lin->parameters());
+  new_out.sum().backward();
+  BOOST_TEST(at::equal(old_out, new_out));
+  BOOST_TEST(at::equal(old_grad, lin->weight.grad()));
+
+  fsdp::CheckpointOptions options;
+  options.mode = fsdp::CheckpointMode::Reentrant;
+  fsdp::checkpoint_module(lin.ptr(), options);
+  const auto marked = fsdp::activation_checkpoint_options_of(*lin);
+  BOOST_TEST_REQUIRE(marked.has_value());
+  BOOST_TEST((marked->mode == fsdp::ActivationCheckpointMode::Reentrant));
+  fsdp::uncheckpoint_module(*lin);
+  BOOST_TEST(!fsdp::checkpoint_options_of(*lin).has_value());
+}
+#pragma GCC diagnostic pop

@@ -186,7 +186,7 @@ BOOST_AUTO_TEST_CASE(test_chunked_ce_baselines_run_no_libfsdp_checkpoint) {
   const ref::LocalLoss plain = c->forward(model, 0, 0, 4, ref::Layout::Single);
   const ref::LocalLoss ddp = c->forward(model, 0, 0, 4, ref::Layout::DDP);
   const ref::LocalLoss recomputed = c->forward(model, 0, 0, 4, ref::Layout::FSDP);
-  const std::string checkpoint_node = "fsdp::CheckpointBackward";
+  const std::string checkpoint_node = "fsdp::ActivationCheckpointBackward";
   BOOST_TEST(graph_node_names(plain.loss).count(checkpoint_node) == 0u);
   BOOST_TEST(graph_node_names(ddp.loss).count(checkpoint_node) == 0u);
   BOOST_TEST(graph_node_names(recomputed.loss).count(checkpoint_node) == 1u);

@@ -11,7 +11,7 @@
 #include <iostream>
 
 // A user-written block: its parent holds it as
-// fsdp::Checkpointed<fsdp::Sharded<Block>> (checkpointed when marked, routed
+// fsdp::ActivationCheckpointed<fsdp::Sharded<Block>> (checkpointed when marked, routed
 // through its FSDP unit when sharded; either holder just forwards otherwise).
 struct BlockImpl : torch::nn::Module {
   BlockImpl() : fc(register_module("fc", torch::nn::Linear(64, 64))) {}
@@ -32,7 +32,7 @@ struct NetImpl : torch::nn::Module {
     for (auto& b : blocks) x = b(x);  // checkpoint + FSDP unit, by the holder
     return head->forward(x);
   }
-  std::vector<fsdp::Checkpointed<fsdp::Sharded<Block>>> blocks;
+  std::vector<fsdp::ActivationCheckpointed<fsdp::Sharded<Block>>> blocks;
   torch::nn::Sequential head{nullptr};
 };
 TORCH_MODULE(Net);
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   fsdp::Sharded<Net> model = fsdp::fully_shard(net, options);  // the root, last
   // Recompute every block's activations in backward instead of keeping them.
   fsdp::apply_activation_checkpointing(
-      net.ptr(), fsdp::checkpoint_every_nth(1, [](const torch::nn::Module& m) {
+      net.ptr(), fsdp::activation_checkpoint_every_nth(1, [](const torch::nn::Module& m) {
         return dynamic_cast<const BlockImpl*>(&m) != nullptr;
       }));
 

@@ -71,7 +71,7 @@ std::vector<at::Tensor> DecoderImpl::forward(const at::Tensor& tokens, const at:
     at::Tensor t = flat_targets.narrow(0, start, len);
     at::Tensor hc = h.narrow(0, start, len);
     if (loss.recompute) {
-      chunks.push_back(fsdp::checkpoint(
+      chunks.push_back(fsdp::activation_checkpoint(
           [t, w, chunk_ce](const at::Tensor& x) { return chunk_ce(x, w, t); }, hc, {w}));
     } else {
       chunks.push_back(chunk_ce(hc, w, t));

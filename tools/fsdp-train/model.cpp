@@ -1,6 +1,6 @@
 #include "model.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/errors.h>
 #include <fsdp/moe.h>
 #include <fsdp/tensor_parallel.h>
@@ -121,7 +121,7 @@ void apply_ac(ShardedDecoder& d, const TrainConfig& cfg) {
   if (cfg.ac == "none") return;
   const int64_t every = cfg.ac == "all" ? 1 : 2;
   fsdp::apply_activation_checkpointing(
-      d.net, fsdp::checkpoint_every_nth(every, [](const torch::nn::Module& m) {
+      d.net, fsdp::activation_checkpoint_every_nth(every, [](const torch::nn::Module& m) {
         return dynamic_cast<const models::DecoderLayerImpl*>(&m) != nullptr ||
                dynamic_cast<const models::TPDecoderLayerImpl*>(&m) != nullptr ||
                dynamic_cast<const models::MoEBlockImpl*>(&m) != nullptr;

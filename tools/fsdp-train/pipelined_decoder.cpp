@@ -1,6 +1,6 @@
 #include "pipelined_decoder.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
 
 #include <ATen/ATen.h>
@@ -65,7 +65,7 @@ ShardedDecoder shard_pipeline(const models::Decoder& net, const TrainConfig& cfg
     p->stages.push_back(s);
   }
   if (!ac_names.empty()) {
-    fsdp::apply_activation_checkpointing(local, fsdp::checkpoint_names(ac_names));
+    fsdp::apply_activation_checkpointing(local, fsdp::activation_checkpoint_names(ac_names));
   }
 
   const auto named = local->named_parameters();

@@ -1,7 +1,7 @@
 // libfsdp umbrella header.
 #pragma once
 
-#include "fsdp/checkpoint.h"
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/comm.h"
 #include "fsdp/dtensor.h"

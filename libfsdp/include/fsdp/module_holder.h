@@ -1,4 +1,4 @@
-// What fsdp::Sharded<M> and fsdp::Checkpointed<M> share: they stand in for
+// What fsdp::Sharded<M> and fsdp::ActivationCheckpointed<M> share: they stand in for
 // the module holder M they wrap (torch::nn::Linear, TORCH_MODULE(Block), or
 // another wrapper), exposing its module the way M does.
 #pragma once

@@ -56,7 +56,7 @@ struct DecoderStageImpl : torch::nn::Module {
   // The last stage's output.weight is a copy of the (tied) embedding.
   bool tied_copy = false;
   torch::nn::Embedding embed{nullptr};  // first stage only
-  std::vector<fsdp::Checkpointed<fsdp::Sharded<DecoderLayer>>> layers;
+  std::vector<fsdp::ActivationCheckpointed<fsdp::Sharded<DecoderLayer>>> layers;
   RMSNorm norm{nullptr};                // last stage only
   torch::nn::Linear output{nullptr};    // last stage, unless tied on one stage
 };

@@ -1,5 +1,5 @@
 // Decoder-only language model: token embedding, N decoder layers (each an
-// FSDP-ready fsdp::Checkpointed<fsdp::Sharded<DecoderLayer>>: unsharded and
+// FSDP-ready fsdp::ActivationCheckpointed<fsdp::Sharded<DecoderLayer>>: unsharded and
 // un-checkpointed it simply forwards), final RMSNorm, and an output layer
 // that is either weight-tied to the embedding (the tied pair then lives in
 // the model's own, root, unit) or a separate Linear.
@@ -7,7 +7,7 @@
 
 #include "models/layers.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/fully_shard.h>
 
 #include <torch/nn/modules/embedding.h>
@@ -65,7 +65,7 @@ struct DecoderImpl : torch::nn::Module {
 
   DecoderConfig config;
   torch::nn::Embedding embed{nullptr};
-  std::vector<fsdp::Checkpointed<fsdp::Sharded<DecoderLayer>>> layers;
+  std::vector<fsdp::ActivationCheckpointed<fsdp::Sharded<DecoderLayer>>> layers;
   RMSNorm norm{nullptr};
   torch::nn::Linear output{nullptr};  // null when tied
 

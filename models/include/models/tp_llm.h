@@ -15,7 +15,7 @@
 #include "models/layers.h"
 #include "models/llm.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
 #include <fsdp/tensor_parallel.h>
@@ -89,7 +89,7 @@ struct TPDecoderImpl : torch::nn::Module {
   fsdp::DeviceMesh tp;
   TPOptions options;
   fsdp::tp::VocabParallelEmbedding embed{nullptr};
-  std::vector<fsdp::Checkpointed<fsdp::Sharded<TPDecoderLayer>>> layers;
+  std::vector<fsdp::ActivationCheckpointed<fsdp::Sharded<TPDecoderLayer>>> layers;
   TPRMSNorm norm{nullptr};
 };
 TORCH_MODULE(TPDecoder);

@@ -1,12 +1,12 @@
 // Vision Transformer: a patch embedding (Conv2d, stride = patch), a CLS
 // token, learned position embeddings, pre-LN encoder blocks (each an
-// FSDP-ready fsdp::Checkpointed<fsdp::Sharded<EncoderBlock>>), a final
+// FSDP-ready fsdp::ActivationCheckpointed<fsdp::Sharded<EncoderBlock>>), a final
 // LayerNorm and, when classes > 0, a classifier head on the CLS token.
 #pragma once
 
 #include "models/layers.h"
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/fully_shard.h>
 
 #include <torch/nn/modules/conv.h>
@@ -41,7 +41,7 @@ struct ViTImpl : torch::nn::Module {
   ViTConfig config;
   torch::nn::Conv2d patch_embed{nullptr};
   at::Tensor cls_token, pos_embed;
-  std::vector<fsdp::Checkpointed<fsdp::Sharded<EncoderBlock>>> blocks;
+  std::vector<fsdp::ActivationCheckpointed<fsdp::Sharded<EncoderBlock>>> blocks;
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear head{nullptr};
 };

@@ -1,5 +1,5 @@
 // Activation checkpointing: the segment node, module marks and policies.
-#include "fsdp/checkpoint.h"
+#include "fsdp/activation_checkpoint.h"
 
 #include "fsdp/errors.h"
 #include "runtime/torch_compat.h"
@@ -36,7 +36,7 @@ struct SavedInput {
   std::optional<int64_t> version;
 };
 
-SavedInput save_input(const at::Tensor& x, const CheckpointOptions& options) {
+SavedInput save_input(const at::Tensor& x, const ActivationCheckpointOptions& options) {
   SavedInput s;
   s.device = x.device();
   s.requires_grad = x.requires_grad();
@@ -138,7 +138,7 @@ void check_recomputed_graph(const at::Tensor& out, const RecomputeMark& mark,
             "checkpoint: fn reads a tensor of shape " + std::string(c10::str(leaf->variable.sizes())) +
             " that requires grad but is neither in 'inputs' nor in 'params'; a non-reentrant "
             "checkpoint returns gradients only to those. Pass it in 'params' (or use "
-            "CheckpointMode::Reentrant)");
+            "ActivationCheckpointMode::Reentrant)");
       }
       continue;
     }
@@ -154,9 +154,9 @@ void check_recomputed_graph(const at::Tensor& out, const RecomputeMark& mark,
 
 // Stands for the checkpointed segment in the outer graph. Next edges: the
 // inputs that require grad, then (non-reentrant) the params that do.
-class CheckpointNode final : public torch::autograd::Node {
+class ActivationCheckpointNode final : public torch::autograd::Node {
  public:
-  CheckpointNode(CheckpointFunction fn, CheckpointOptions options, std::vector<SavedInput> saved,
+  ActivationCheckpointNode(ActivationCheckpointFunction fn, ActivationCheckpointOptions options, std::vector<SavedInput> saved,
                  std::vector<at::Tensor> grad_params,
                  std::vector<std::pair<c10::Device, at::Tensor>> rng)
       : fn_(std::move(fn)),
@@ -165,7 +165,7 @@ class CheckpointNode final : public torch::autograd::Node {
         grad_params_(std::move(grad_params)),
         rng_(std::move(rng)) {}
 
-  std::string name() const override { return "fsdp::CheckpointBackward"; }
+  std::string name() const override { return "fsdp::ActivationCheckpointBackward"; }
 
   void release_variables() override {
     released_ = true;
@@ -186,7 +186,7 @@ class CheckpointNode final : public torch::autograd::Node {
     std::vector<at::Tensor> inputs;
     inputs.reserve(saved_.size());
     for (size_t i = 0; i < saved_.size(); ++i) inputs.push_back(restore_input(saved_[i], i));
-    if (options_.observer) options_.observer({CheckpointEvent::Kind::Recompute, inputs});
+    if (options_.observer) options_.observer({ActivationCheckpointEvent::Kind::Recompute, inputs});
 
     at::Tensor out;
     const RecomputeMark mark;
@@ -203,7 +203,7 @@ class CheckpointNode final : public torch::autograd::Node {
     for (const auto& x : inputs) {
       if (x.requires_grad()) targets.push_back(x);
     }
-    const bool reentrant = options_.mode == CheckpointMode::Reentrant;
+    const bool reentrant = options_.mode == ActivationCheckpointMode::Reentrant;
     if (!reentrant) targets.insert(targets.end(), grad_params_.begin(), grad_params_.end());
     std::unordered_set<const c10::TensorImpl*> declared;
     for (const auto& t : targets) declared.insert(impl_of(t));
@@ -222,15 +222,15 @@ class CheckpointNode final : public torch::autograd::Node {
   }
 
  private:
-  CheckpointFunction fn_;
-  CheckpointOptions options_;
+  ActivationCheckpointFunction fn_;
+  ActivationCheckpointOptions options_;
   std::vector<SavedInput> saved_;
   std::vector<at::Tensor> grad_params_;
   std::vector<std::pair<c10::Device, at::Tensor>> rng_;
   bool released_ = false;
 };
 
-at::Tensor run_plain(const CheckpointFunction& fn, const std::vector<at::Tensor>& inputs) {
+at::Tensor run_plain(const ActivationCheckpointFunction& fn, const std::vector<at::Tensor>& inputs) {
   at::Tensor out = fn(inputs);
   if (!out.defined()) throw StateError("checkpoint: fn returned an undefined tensor");
   return out;
@@ -241,7 +241,7 @@ at::Tensor run_plain(const CheckpointFunction& fn, const std::vector<at::Tensor>
 struct Mark {
   std::weak_ptr<torch::nn::Module> module;
   const torch::nn::Module* ptr;
-  CheckpointOptions options;
+  ActivationCheckpointOptions options;
 };
 
 struct Marks {
@@ -262,8 +262,8 @@ void prune(std::vector<Mark>& list) {
 
 }  // namespace
 
-at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
-                      const std::vector<at::Tensor>& params, const CheckpointOptions& options) {
+at::Tensor activation_checkpoint(const ActivationCheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& params, const ActivationCheckpointOptions& options) {
   if (!fn) throw ArgumentError("fn", "checkpoint: 'fn' is empty; accepted: a callable");
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) {
@@ -277,7 +277,7 @@ at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor
                                         " is undefined; accepted: defined tensors");
     }
   }
-  const bool reentrant = options.mode == CheckpointMode::Reentrant;
+  const bool reentrant = options.mode == ActivationCheckpointMode::Reentrant;
   std::vector<at::Tensor> grad_inputs, grad_params;
   for (const auto& x : inputs) {
     if (x.requires_grad()) grad_inputs.push_back(x);
@@ -316,12 +316,12 @@ at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor
   if (options.observer) {
     std::vector<at::Tensor> kept;
     for (const auto& s : saved) kept.push_back(s.kept);
-    options.observer({CheckpointEvent::Kind::Saved, kept});
+    options.observer({ActivationCheckpointEvent::Kind::Saved, kept});
   }
   if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type())) {
     return out;  // not differentiable: nothing to recompute for
   }
-  auto node = compat::make_node<CheckpointNode>(
+  auto node = compat::make_node<ActivationCheckpointNode>(
       fn, options, std::move(saved), reentrant ? std::vector<at::Tensor>{} : grad_params,
       std::move(rng));
   node->set_next_edges(std::move(edges));
@@ -332,30 +332,30 @@ at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor
   return result;
 }
 
-at::Tensor checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
-                      const CheckpointOptions& options) {
-  return checkpoint(fn, inputs, std::vector<at::Tensor>{}, options);
+at::Tensor activation_checkpoint(const ActivationCheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
+                      const ActivationCheckpointOptions& options) {
+  return activation_checkpoint(fn, inputs, std::vector<at::Tensor>{}, options);
 }
 
-at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
+at::Tensor activation_checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
                       const at::Tensor& input, const std::vector<at::Tensor>& params,
-                      const CheckpointOptions& options) {
+                      const ActivationCheckpointOptions& options) {
   if (!fn) throw ArgumentError("fn", "checkpoint: 'fn' is empty; accepted: a callable");
   if (!input.defined()) {
     throw ArgumentError("input", "checkpoint: 'input' is undefined; accepted: a defined tensor");
   }
-  return checkpoint([fn](const std::vector<at::Tensor>& in) { return fn(in[0]); },
+  return activation_checkpoint([fn](const std::vector<at::Tensor>& in) { return fn(in[0]); },
                     std::vector<at::Tensor>{input}, params, options);
 }
 
-at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
-                      const at::Tensor& input, const CheckpointOptions& options) {
-  return checkpoint(fn, input, std::vector<at::Tensor>{}, options);
+at::Tensor activation_checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                      const at::Tensor& input, const ActivationCheckpointOptions& options) {
+  return activation_checkpoint(fn, input, std::vector<at::Tensor>{}, options);
 }
 
-void checkpoint_module(const std::shared_ptr<torch::nn::Module>& module,
-                       CheckpointOptions options) {
-  if (!module) throw ArgumentError("module", "checkpoint_module: 'module' is null");
+void activation_checkpoint_module(const std::shared_ptr<torch::nn::Module>& module,
+                       ActivationCheckpointOptions options) {
+  if (!module) throw ArgumentError("module", "activation_checkpoint_module: 'module' is null");
   Marks& m = marks();
   std::lock_guard<std::mutex> lock(m.mu);
   prune(m.list);
@@ -368,7 +368,7 @@ void checkpoint_module(const std::shared_ptr<torch::nn::Module>& module,
   m.list.push_back({module, module.get(), std::move(options)});
 }
 
-void uncheckpoint_module(const torch::nn::Module& module) {
+void remove_activation_checkpoint(const torch::nn::Module& module) {
   Marks& m = marks();
   std::lock_guard<std::mutex> lock(m.mu);
   m.list.erase(std::remove_if(m.list.begin(), m.list.end(),
@@ -376,12 +376,12 @@ void uncheckpoint_module(const torch::nn::Module& module) {
                m.list.end());
 }
 
-std::optional<CheckpointOptions> checkpoint_options_of(const torch::nn::Module& module) {
-  return detail::checkpoint_options_for(module);
+std::optional<ActivationCheckpointOptions> activation_checkpoint_options_of(const torch::nn::Module& module) {
+  return detail::activation_checkpoint_options_for(module);
 }
 
 int64_t apply_activation_checkpointing(const std::shared_ptr<torch::nn::Module>& root,
-                                       const CheckpointPolicy& policy) {
+                                       const ActivationCheckpointPolicy& policy) {
   if (!root) throw ArgumentError("root", "apply_activation_checkpointing: 'root' is null");
   if (!policy) {
     throw ArgumentError("policy", "apply_activation_checkpointing: 'policy' is empty; accepted: "
@@ -390,39 +390,39 @@ int64_t apply_activation_checkpointing(const std::shared_ptr<torch::nn::Module>&
   int64_t marked = 0;
   for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     if (auto options = policy(item.key(), *item.value())) {
-      checkpoint_module(item.value(), std::move(*options));
+      activation_checkpoint_module(item.value(), std::move(*options));
       ++marked;
     }
   }
   return marked;
 }
 
-CheckpointPolicy checkpoint_every_nth(int64_t n,
+ActivationCheckpointPolicy activation_checkpoint_every_nth(int64_t n,
                                       std::function<bool(const torch::nn::Module&)> filter,
-                                      CheckpointOptions options) {
+                                      ActivationCheckpointOptions options) {
   if (n < 1) {
-    throw ArgumentError("n", "checkpoint_every_nth: 'n' = " + std::to_string(n) +
+    throw ArgumentError("n", "activation_checkpoint_every_nth: 'n' = " + std::to_string(n) +
                                  "; accepted: n >= 1");
   }
   if (!filter) {
-    throw ArgumentError("filter", "checkpoint_every_nth: 'filter' is empty; accepted: a "
+    throw ArgumentError("filter", "activation_checkpoint_every_nth: 'filter' is empty; accepted: a "
                                   "predicate selecting the layers to count (e.g. by type)");
   }
   // apply_activation_checkpointing visits the root first: a new count starts there.
   auto count = std::make_shared<int64_t>(0);
   return [n, options = std::move(options), filter = std::move(filter), count](
              const std::string& name,
-             const torch::nn::Module& module) -> std::optional<CheckpointOptions> {
+             const torch::nn::Module& module) -> std::optional<ActivationCheckpointOptions> {
     if (name.empty()) *count = 0;
     if (!filter(module)) return std::nullopt;
-    return (*count)++ % n == 0 ? std::optional<CheckpointOptions>(options) : std::nullopt;
+    return (*count)++ % n == 0 ? std::optional<ActivationCheckpointOptions>(options) : std::nullopt;
   };
 }
 
-CheckpointPolicy checkpoint_names(std::vector<std::string> names, CheckpointOptions options) {
+ActivationCheckpointPolicy activation_checkpoint_names(std::vector<std::string> names, ActivationCheckpointOptions options) {
   return [names = std::move(names), options = std::move(options)](
              const std::string& name,
-             const torch::nn::Module&) -> std::optional<CheckpointOptions> {
+             const torch::nn::Module&) -> std::optional<ActivationCheckpointOptions> {
     if (std::find(names.begin(), names.end(), name) == names.end()) return std::nullopt;
     return options;
   };
@@ -430,7 +430,7 @@ CheckpointPolicy checkpoint_names(std::vector<std::string> names, CheckpointOpti
 
 namespace detail {
 
-std::optional<CheckpointOptions> checkpoint_options_for(const torch::nn::Module& module) {
+std::optional<ActivationCheckpointOptions> activation_checkpoint_options_for(const torch::nn::Module& module) {
   Marks& m = marks();
   std::lock_guard<std::mutex> lock(m.mu);
   for (const auto& mark : m.list) {
