@@ -16,6 +16,7 @@
 // allocation to the configuration whose step (or construction) was running.
 #include "harness.h"
 
+#include "fsdp/allocator_compat.h"
 #include "fsdp/comm.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
@@ -74,14 +75,6 @@ constexpr double kMemoryTarget = 1.02;
 // is built and never removed or destroyed: it must outlive every tensor it
 // allocated.
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define FSDP_BENCH_ALLOCATE_CONST
-#define FSDP_BENCH_HAS_COPY_DATA 1
-#else
-#define FSDP_BENCH_ALLOCATE_CONST const
-#define FSDP_BENCH_HAS_COPY_DATA 0
-#endif
-
 class CountingAllocator final : public c10::Allocator {
  public:
   static constexpr int kAccounts = 16;  // 0 = nothing in particular
@@ -90,7 +83,7 @@ class CountingAllocator final : public c10::Allocator {
   // the DataPtr's context to be its data pointer and a raw deleter: so the
   // size and account live in a header in front of the data, one alignment
   // unit long so that the data keeps c10's alignment.
-  c10::DataPtr allocate(size_t n) FSDP_BENCH_ALLOCATE_CONST override {
+  c10::DataPtr allocate(size_t n) FSDP_ALLOCATE_CONST override {
     auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     Header h{n, current_.load(std::memory_order_relaxed)};
     std::memcpy(base, &h, sizeof h);
@@ -99,7 +92,7 @@ class CountingAllocator final : public c10::Allocator {
     return c10::DataPtr(data, data, &CountingAllocator::release, c10::Device(c10::kCPU));
   }
   c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
-#if FSDP_BENCH_HAS_COPY_DATA
+#if FSDP_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }

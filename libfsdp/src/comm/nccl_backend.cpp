@@ -29,7 +29,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "comm/process_group.h"
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>

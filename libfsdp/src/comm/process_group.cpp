@@ -2,6 +2,7 @@
 // backend that matches the tensors' device.
 #include "fsdp/errors.h"
 #include "comm/process_group.h"
+#include "base/shape_str.h"
 
 #include <ATen/ops/empty.h>
 
@@ -50,12 +51,6 @@ std::string to_string(ReduceOp op) {
 namespace detail {
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
 void require_defined(const char* fn, const at::Tensor& t, const char* arg) {
   if (!t.defined()) {
     throw ArgumentError(arg, std::string(fn) + ": '" + arg + "' is an undefined tensor");
@@ -76,7 +71,7 @@ void require_dtype(const char* fn, const at::Tensor& t, const char* arg) {
 
 void require_contiguous(const char* fn, const at::Tensor& t, const char* arg) {
   if (!t.is_contiguous()) {
-    throw LayoutError(arg, std::string(fn) + ": '" + arg + "' (shape " + shape_str(t) +
+    throw LayoutError(arg, std::string(fn) + ": '" + arg + "' (shape " + shape_str(t.sizes()) +
                                ") is not contiguous; call .contiguous() first");
   }
 }

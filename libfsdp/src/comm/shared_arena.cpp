@@ -1,6 +1,7 @@
 #include "comm/shared_arena.h"
 
 #include "comm/process_group.h"
+#include "fsdp/allocator_compat.h"
 #include "fsdp/errors.h"
 
 #include <ATen/EmptyTensor.h>
@@ -366,14 +367,6 @@ int64_t SharedArena::committed_bytes() const {
 }
 
 namespace {
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define FSDP_ALLOCATE_CONST
-#define FSDP_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define FSDP_ALLOCATE_CONST const
-#define FSDP_ALLOCATOR_HAS_COPY_DATA 0
-#endif
 
 // A block of an arena; the DataPtr's context, so the mapping outlives it.
 struct ArenaBlockRef {

@@ -3,6 +3,7 @@
 // actions -- and the helpers that read a step's losses and bubble.
 #include "fsdp/errors.h"
 #include "pp/stage.h"
+#include "base/shape_str.h"
 
 #include <ATen/ATen.h>
 #include <mpi.h>
@@ -29,12 +30,6 @@ constexpr int64_t kMaxDims = 8;
 constexpr int64_t kHeaderLength = 2 + kMaxDims;
 
 enum Direction { kActivation = 0, kGradient = 1, kHeader = 2 };
-
-std::string shape_str(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << shape;
-  return os.str();
-}
 
 }  // namespace
 

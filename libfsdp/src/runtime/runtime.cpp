@@ -2,12 +2,11 @@
 #include "fsdp/runtime.h"
 
 #include "fsdp/errors.h"
-#include "fsdp/mesh.h"
 #include "fsdp/trace.h"
 #include "comm/cpu_collectives.h"
 #include "comm/process_group.h"
 #include "runtime/device_binding.h"
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 #ifdef FSDP_WITH_NCCL
 #include "runtime/cuda_device.h"
 #endif

@@ -7,6 +7,7 @@
 #include "fsdp/runtime.h"
 #include "sharding/query.h"
 #include "sharding/state.h"
+#include "base/shape_str.h"
 
 #include <ATen/ATen.h>
 
@@ -21,12 +22,6 @@
 
 namespace fsdp {
 namespace {
-
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
 
 const DeviceMesh& default_mesh() {
   static std::optional<DeviceMesh> mesh;

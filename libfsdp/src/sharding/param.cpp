@@ -3,7 +3,7 @@
 
 #include "comm/process_group.h"
 #include "fsdp/errors.h"
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function_hook.h>

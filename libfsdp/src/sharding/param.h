@@ -5,7 +5,7 @@
 #include "fsdp/comm.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 #include "sharding/host_copy_fence.h"
 
 #include <ATen/core/Tensor.h>

@@ -3,7 +3,7 @@
 
 #include "fsdp/trace.h"
 #include "comm/process_group.h"
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 
 #include <ATen/ATen.h>
 

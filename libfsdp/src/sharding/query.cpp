@@ -2,7 +2,7 @@
 // gradient clipping.
 #include "sharding/query.h"
 
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 #include "sharding/state.h"
 
 #include <torch/csrc/autograd/variable.h>

@@ -2,6 +2,7 @@
 #include "fsdp/dtensor.h"
 
 #include "fsdp/errors.h"
+#include "base/shape_str.h"
 
 #include <ATen/ATen.h>
 
@@ -90,12 +91,6 @@ std::string placements_str(const std::vector<Placement>& placements) {
     s += placements[i].to_string();
   }
   return s + "]";
-}
-
-std::string shape_str(c10::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << sizes;
-  return os.str();
 }
 
 // Tensor dim that `p` splits (Shard or StridedShard), or -1.

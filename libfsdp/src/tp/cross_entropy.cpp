@@ -5,6 +5,7 @@
 
 #include "fsdp/errors.h"
 #include "tp/check.h"
+#include "base/shape_str.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -94,12 +95,6 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-std::string shape_str(c10::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << sizes;
-  return os.str();
-}
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 
 #include "fsdp/errors.h"
 #include "tp/check.h"
+#include "base/shape_str.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
@@ -16,12 +17,6 @@
 
 namespace fsdp::tp {
 namespace {
-
-std::string shape_str(c10::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << sizes;
-  return os.str();
-}
 
 // torch::nn::Linear's reset_parameters() on full tensors, in its order, so
 // the default generator advances exactly as for the plain layer.

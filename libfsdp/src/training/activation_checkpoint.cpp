@@ -2,7 +2,7 @@
 #include "fsdp/activation_checkpoint.h"
 
 #include "fsdp/errors.h"
-#include "runtime/torch_compat.h"
+#include "base/torch_compat.h"
 #include "sharding/query.h"
 
 #include <ATen/ATen.h>

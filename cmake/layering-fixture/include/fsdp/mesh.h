@@ -1,0 +1,3 @@
+#pragma once
+#include "fsdp/comm.h"
+#include "fsdp/fully_shard.h"

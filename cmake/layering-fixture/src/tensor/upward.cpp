@@ -1,0 +1,2 @@
+#include "base/ok.h"
+#include "sharding/state.h"

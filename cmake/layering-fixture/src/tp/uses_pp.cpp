@@ -1,0 +1,2 @@
+#include "fsdp/pipeline.h"
+#include "fsdp/mesh.h"
