@@ -58,6 +58,9 @@ function(fsdp_add_layer layer)
   target_compile_features(${_target} PRIVATE cxx_std_17)
   target_compile_options(${_target} PRIVATE ${FSDP_WARNING_FLAGS})
   set_target_properties(${_target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  # The same definitions in every layer: GCC refuses the shared precompiled
+  # header (-Winvalid-pch) when one defined at its creation is missing.
+  target_compile_definitions(${_target} PRIVATE FSDP_VERSION_STRING="${PROJECT_VERSION}")
   if(FSDP_NCCL_ENABLED)
     target_compile_definitions(${_target} PRIVATE FSDP_WITH_NCCL)
     target_include_directories(${_target} SYSTEM PRIVATE ${NCCL_INCLUDE_DIR})
@@ -66,7 +69,6 @@ function(fsdp_add_layer layer)
   if(layer STREQUAL "base")
     # Header-only, used by trace.cpp alone: not part of the installed interface.
     target_link_libraries(${_target} PRIVATE nlohmann_json::nlohmann_json)
-    target_compile_definitions(${_target} PRIVATE FSDP_VERSION_STRING="${PROJECT_VERSION}")
   endif()
   # One position-independent precompiled header for all layers, built by the
   # lowest (PrecompiledHeaders.cmake: GCC needs matching -fPIC and -g).
