@@ -7,11 +7,20 @@
 // an all-gather of a fixed-size fingerprint on a communicator of its own:
 // that exchange always matches (it is the same call on every rank), so every
 // rank sees every rank's call and all of them throw the same message.
+#include "comm/collective_check.h"
+
 #include "fsdp/errors.h"
-#include "comm/process_group.h"
+#include "comm/mpi_types.h"
+#include "comm/work.h"
+
+#include <mpi.h>
+
+#include <c10/core/ScalarType.h>
 
 #include <array>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp::detail {
 namespace {

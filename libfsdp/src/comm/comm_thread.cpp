@@ -4,9 +4,11 @@
 // collective needs a thread sitting in that call while the caller computes.
 // Each process group owns one such thread; tasks run strictly in issue order,
 // which keeps the cross-rank collective order equal to the program order.
-#include "comm/process_group.h"
+#include "comm/comm_thread.h"
 
 #include "fsdp/trace.h"
+#include "comm/pending_registry.h"
+#include "comm/work.h"
 
 #include <cstdlib>
 

@@ -1,13 +1,18 @@
 // Collective counters and the pending-collective registry.
-#include "comm/process_group.h"
+#include "comm/counters.h"
 
+#include "fsdp/comm.h"
 #include "fsdp/trace.h"
+#include "comm/pending_registry.h"
+#include "comm/work.h"
 
 #include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <sstream>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace fsdp {
 namespace {

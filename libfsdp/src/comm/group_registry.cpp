@@ -4,7 +4,10 @@
 // MPI_COMM_WORLD. The split is always performed (it is collective, and ranks
 // may differ in what they have cached); a cached group with the same members
 // wins and the fresh communicator is freed.
+#include "comm/group_registry.h"
+
 #include "fsdp/errors.h"
+#include "comm/mpi_types.h"
 #include "comm/process_group.h"
 
 #include <algorithm>

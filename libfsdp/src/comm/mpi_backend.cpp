@@ -3,10 +3,16 @@
 // all-gather, reduce-scatter and all-reduce run Open MPI's collective or one
 // of libfsdp's algorithms over point-to-point (cpu_collectives.h), chosen at
 // issue by cpu::choose.
+#include "comm/backend.h"
+
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
-#include "comm/process_group.h"
+#include "comm/collective_check.h"
+#include "comm/comm_thread.h"
 #include "comm/cpu_collectives.h"
+#include "comm/mpi_types.h"
+#include "comm/pending_registry.h"
+#include "comm/work.h"
 
 #include <algorithm>
 #include <climits>

@@ -3,8 +3,9 @@
 // MPI has no 16-bit floating types. bfloat16 and float16 travel as a committed
 // 2-byte contiguous type; their SUM and MAX are user ops that widen each pair
 // of operands to float32, combine, and round once back to 16 bits.
+#include "comm/mpi_types.h"
+
 #include "fsdp/errors.h"
-#include "comm/process_group.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

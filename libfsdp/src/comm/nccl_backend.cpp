@@ -26,9 +26,15 @@
 // while their Work is still alive. To be measured on a GPU.
 // NCCL has no message tags: sends and recvs between a pair match in issue
 // order, and `tag` (validated by ProcessGroupImpl) is ignored.
+#include "comm/backend.h"
+
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
-#include "comm/process_group.h"
+#include "comm/collective_check.h"
+#include "comm/mpi_types.h"
+#include "comm/pending_registry.h"
+#include "comm/watchdog.h"
+#include "comm/work.h"
 #include "base/torch_compat.h"
 
 #include <ATen/ops/empty.h>

@@ -1,7 +1,13 @@
 // ProcessGroupImpl: argument validation, counting, and dispatch to the
 // backend that matches the tensors' device.
-#include "fsdp/errors.h"
 #include "comm/process_group.h"
+
+#include "fsdp/errors.h"
+#include "comm/backend.h"
+#include "comm/collective_check.h"
+#include "comm/comm_settings.h"
+#include "comm/counters.h"
+#include "comm/mpi_types.h"
 #include "base/shape_str.h"
 
 #include <ATen/ops/empty.h>

@@ -1,6 +1,7 @@
 #include "comm/shared_arena.h"
 
-#include "comm/process_group.h"
+#include "comm/comm_settings.h"
+#include "comm/mpi_types.h"
 #include "fsdp/allocator_compat.h"
 #include "fsdp/errors.h"
 

@@ -7,15 +7,24 @@
 // longer than the timeout it prints what is stuck on this rank and aborts
 // the whole job, as NCCL's watchdog and c10d's timeout do. It also polls the
 // transports whose errors arrive asynchronously (NCCL) and aborts on one.
-#include "comm/process_group.h"
+#include "comm/watchdog.h"
+
+#include "comm/comm_settings.h"
+#include "comm/pending_registry.h"
+
+#include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace fsdp::detail {
 namespace {

@@ -4,7 +4,10 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "comm/cpu_collectives.h"
-#include "comm/process_group.h"
+#include "comm/comm_settings.h"
+#include "comm/group_registry.h"
+#include "comm/mpi_types.h"
+#include "comm/watchdog.h"
 #include "runtime/device_binding.h"
 #include "base/torch_compat.h"
 #ifdef FSDP_WITH_NCCL

@@ -1,7 +1,7 @@
 // ShardedParam: shard layout, unshard/reshard by set_data, gradient capture.
 #include "sharding/param.h"
 
-#include "comm/process_group.h"
+#include "comm/group_registry.h"
 #include "fsdp/errors.h"
 #include "base/torch_compat.h"
 

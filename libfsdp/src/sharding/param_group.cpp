@@ -2,7 +2,7 @@
 #include "sharding/param_group.h"
 
 #include "fsdp/trace.h"
-#include "comm/process_group.h"
+#include "comm/group_registry.h"
 #include "base/torch_compat.h"
 
 #include <ATen/ATen.h>

@@ -3,7 +3,8 @@
 #include "fsdp/mesh.h"
 
 #include "fsdp/errors.h"
-#include "comm/process_group.h"
+#include "comm/group_registry.h"
+#include "comm/mpi_types.h"
 
 #include <ATen/Context.h>
 

@@ -1,0 +1,34 @@
+// The group registry: every process group libfsdp creates, keyed by member
+// list (group_registry.cpp).
+#pragma once
+
+#include "fsdp/comm.h"
+
+#include <mpi.h>
+
+#include <vector>
+
+namespace fsdp::detail {
+
+// The library's private duplicate of MPI_COMM_WORLD.
+MPI_Comm library_world();
+// Collective over the world: every rank passes the member list of its own
+// group; together the lists partition the world. Cached by member list; the
+// group's name is its member list, e.g. "ranks[0,2]".
+ProcessGroupPtr group_for(const std::vector<int>& members);
+// A group created before (the world group exists from Runtime start); never
+// communicates. StateError if absent.
+ProcessGroupPtr find_group(const std::vector<int>& members);
+// fully_shard's reductions run on a second group over the same ranks, with
+// its own communicator and comm thread: reduce-scatters and all-reduces are
+// then ordered among themselves (reverse forward order, the same on every
+// rank) independently of the all-gathers, whose order follows the forward
+// and the pre-backward hooks -- however the gradients of a rank arrive. It
+// also lets a reduction run while the next all-gather does. Same name as
+// `group` (counters and traces report them together). Cached; the first call
+// is collective over the group's members.
+ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group);
+void init_group_registry();
+void shutdown_group_registry();
+
+}  // namespace fsdp::detail
