@@ -1,5 +1,7 @@
 #include "reference/store.h"
 
+#include "reference/h5_util.h"
+
 #include <ATen/ATen.h>
 #include <H5Cpp.h>
 #include <dlfcn.h>
@@ -21,80 +23,60 @@ const char* kRegenerate =
     "regenerate with `cmake --build build --target regenerate-references` "
     "(or `build/reference/fsdp-reference --case %s`)";
 
+using h5util::EmptyString;
+
+// The store's strings: "" is stored as " ", and a missing one reads as "".
 void write_string_attr(H5::H5Object& obj, const std::string& name, const std::string& value) {
-  H5::StrType type(H5::PredType::C_S1, value.empty() ? 1 : value.size());
-  H5::Attribute a = obj.createAttribute(name, type, H5::DataSpace(H5S_SCALAR));
-  a.write(type, value.empty() ? std::string(" ") : value);
+  h5util::write_string_attr(obj, name, value, EmptyString::Space);
 }
 
 std::string read_string_attr(const H5::H5Object& obj, const std::string& name) {
-  if (!obj.attrExists(name)) return "";
-  H5::Attribute a = obj.openAttribute(name);
-  std::string out;
-  a.read(a.getStrType(), out);
-  return out == " " ? "" : out;
+  return h5util::find_string_attr(obj, name, EmptyString::Space).value_or("");
 }
 
 void write_doubles(H5::Group& g, const std::string& name, const std::vector<double>& v,
                    std::vector<hsize_t> dims = {}) {
   if (dims.empty()) dims = {v.size()};
-  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
-  g.createDataSet(name, H5::PredType::IEEE_F64LE, space).write(v.data(), H5::PredType::NATIVE_DOUBLE);
+  h5util::write_dataset(g, name, H5::PredType::IEEE_F64LE, dims, v.data(),
+                        H5::PredType::NATIVE_DOUBLE);
 }
 
 std::vector<double> read_doubles(const H5::Group& g, const std::string& name,
                                  std::vector<hsize_t>* dims_out = nullptr) {
-  H5::DataSet ds = g.openDataSet(name);
-  H5::DataSpace space = ds.getSpace();
-  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
-  space.getSimpleExtentDims(dims.data());
-  std::vector<double> v(static_cast<size_t>(space.getSimpleExtentNpoints()));
-  ds.read(v.data(), H5::PredType::NATIVE_DOUBLE);
-  if (dims_out) *dims_out = dims;
-  return v;
+  return h5util::read_all<double>(g.openDataSet(name), H5::PredType::NATIVE_DOUBLE, dims_out);
 }
 
 void write_tensor(H5::Group& g, const std::string& name, const at::Tensor& t) {
   at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
-  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
-  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
-  g.createDataSet(name, H5::PredType::IEEE_F32LE, space).write(c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
+  h5util::write_dataset(g, name, H5::PredType::IEEE_F32LE, {c.sizes().begin(), c.sizes().end()},
+                        c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
+}
+
+// The dataset as a new tensor of `dtype`, read as `mem_type`.
+at::Tensor read_as(const H5::Group& g, const std::string& name, at::ScalarType dtype,
+                   const H5::PredType& mem_type) {
+  H5::DataSet ds = g.openDataSet(name);
+  at::Tensor t = at::empty(h5util::dims_of(ds), dtype);
+  ds.read(t.data_ptr(), mem_type);
+  return t;
 }
 
 at::Tensor read_tensor(const H5::Group& g, const std::string& name) {
-  H5::DataSet ds = g.openDataSet(name);
-  H5::DataSpace space = ds.getSpace();
-  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
-  space.getSimpleExtentDims(dims.data());
-  std::vector<int64_t> sizes(dims.begin(), dims.end());
-  at::Tensor t = at::empty(sizes, at::kFloat);
-  ds.read(t.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
-  return t;
+  return read_as(g, name, at::kFloat, H5::PredType::NATIVE_FLOAT);
 }
 
 // Routing ids (int64).
 void write_ids(H5::Group& g, const std::string& name, const at::Tensor& t) {
   at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
-  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
-  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
-  g.createDataSet(name, H5::PredType::STD_I64LE, space).write(c.data_ptr<int64_t>(), H5::PredType::NATIVE_INT64);
+  h5util::write_dataset(g, name, H5::PredType::STD_I64LE, {c.sizes().begin(), c.sizes().end()},
+                        c.data_ptr<int64_t>(), H5::PredType::NATIVE_INT64);
 }
 
 at::Tensor read_ids(const H5::Group& g, const std::string& name) {
-  H5::DataSet ds = g.openDataSet(name);
-  H5::DataSpace space = ds.getSpace();
-  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
-  space.getSimpleExtentDims(dims.data());
-  at::Tensor t = at::empty(std::vector<int64_t>(dims.begin(), dims.end()), at::kLong);
-  ds.read(t.data_ptr<int64_t>(), H5::PredType::NATIVE_INT64);
-  return t;
+  return read_as(g, name, at::kLong, H5::PredType::NATIVE_INT64);
 }
 
-std::vector<std::string> members(const H5::Group& g) {
-  std::vector<std::string> out;
-  for (hsize_t i = 0; i < g.getNumObjs(); ++i) out.push_back(g.getObjnameByIdx(i));
-  return out;
-}
+std::vector<std::string> members(const H5::Group& g) { return h5util::child_names(g); }
 
 std::string regenerate_hint(const std::string& case_name) {
   char buf[512];

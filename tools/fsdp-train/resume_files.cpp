@@ -2,6 +2,8 @@
 
 #include "test_hooks.h"
 
+#include <reference/h5_util.h>
+
 #include <ATen/ops/empty.h>
 #include <fsdp/optim_state.h>
 #include <H5Cpp.h>
@@ -133,38 +135,18 @@ void remove_checkpoint_dir(const std::string& dir, const std::function<void()>& 
 }
 
 // ---- HDF5 ------------------------------------------------------------------
+// The shared helpers (reference/h5_util.h), strict: a missing or mistyped
+// attribute is an h5util::AttributeError, which read_verified reports as a
+// Fault of the file. Strings are stored exactly (digests cover them).
+
+using h5util::EmptyString;
 
 void write_string_attr(H5::H5Object& obj, const std::string& name, const std::string& value) {
-  H5::StrType type(H5::PredType::C_S1, value.empty() ? 1 : value.size());
-  obj.createAttribute(name, type, H5::DataSpace(H5S_SCALAR)).write(type, value);
+  h5util::write_string_attr(obj, name, value, EmptyString::Nul);
 }
 
 std::string read_string_attr(const H5::H5Object& obj, const std::string& name) {
-  if (!obj.attrExists(name)) throw Fault("attribute " + name + " is missing");
-  H5::Attribute a = obj.openAttribute(name);
-  if (a.getTypeClass() != H5T_STRING) throw Fault("attribute " + name + " is not a string");
-  std::string out;
-  a.read(a.getStrType(), out);
-  return out;
-}
-
-void write_int_attr(H5::H5Object& obj, const std::string& name, int64_t value) {
-  obj.createAttribute(name, H5::PredType::STD_I64LE, H5::DataSpace(H5S_SCALAR))
-      .write(H5::PredType::NATIVE_INT64, &value);
-}
-
-int64_t read_int_attr(const H5::H5Object& obj, const std::string& name) {
-  if (!obj.attrExists(name)) throw Fault("attribute " + name + " is missing");
-  H5::Attribute a = obj.openAttribute(name);
-  if (a.getTypeClass() != H5T_INTEGER) throw Fault("attribute " + name + " is not an integer");
-  int64_t v = 0;
-  a.read(H5::PredType::NATIVE_INT64, &v);
-  return v;
-}
-
-void write_sum_attr(H5::DataSet& ds, uint64_t sum) {
-  ds.createAttribute(kSumAttr, H5::PredType::STD_U64LE, H5::DataSpace(H5S_SCALAR))
-      .write(H5::PredType::NATIVE_UINT64, &sum);
+  return h5util::read_string_attr(obj, name, EmptyString::Nul);
 }
 
 // The manifest a rank file's digest is taken over: one line per dataset
@@ -189,22 +171,6 @@ class Manifest {
   std::map<std::string, std::string> lines_;
 };
 
-std::string type_name(const H5::DataSet& ds) {
-  const H5T_class_t c = ds.getTypeClass();
-  const size_t bits = ds.getDataType().getSize() * 8;
-  if (c == H5T_FLOAT) return "float" + std::to_string(bits);
-  if (c == H5T_INTEGER) return "int" + std::to_string(bits);
-  if (c == H5T_STRING) return "string";
-  return "a non-numeric type";
-}
-
-std::vector<int64_t> dims_of(const H5::DataSet& ds) {
-  H5::DataSpace space = ds.getSpace();
-  std::vector<hsize_t> dims(static_cast<size_t>(space.getSimpleExtentNdims()));
-  if (!dims.empty()) space.getSimpleExtentDims(dims.data());
-  return {dims.begin(), dims.end()};
-}
-
 // Exact bytes of an fp32 tensor (any shape, zero rows included) and their
 // checksum.
 void write_tensor(H5::Group& g, const std::string& group_path, const std::string& name,
@@ -213,21 +179,20 @@ void write_tensor(H5::Group& g, const std::string& group_path, const std::string
     throw std::runtime_error("checkpoint: " + name + " is not float32");
   }
   at::Tensor c = t.detach().to(at::kCPU).contiguous();
-  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
-  H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
-  H5::DataSet ds = g.createDataSet(name, H5::PredType::IEEE_F32LE, space);
-  if (c.numel() > 0) ds.write(c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
+  H5::DataSet ds = h5util::write_dataset(g, name, H5::PredType::IEEE_F32LE,
+                                         {c.sizes().begin(), c.sizes().end()},
+                                         c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
   const uint64_t sum = fnv1a64(c.data_ptr(), c.numel() * sizeof(float));
-  write_sum_attr(ds, sum);
+  h5util::set_uint64_attr(ds, kSumAttr, sum);
   manifest.add(group_path + "/" + name, "float32", c.sizes().vec(), sum);
 }
 
 void write_int(H5::Group& g, const std::string& group_path, const std::string& name, int64_t v,
                Manifest& manifest) {
-  H5::DataSet ds = g.createDataSet(name, H5::PredType::STD_I64LE, H5::DataSpace(H5S_SCALAR));
-  ds.write(&v, H5::PredType::NATIVE_INT64);
+  H5::DataSet ds =
+      h5util::write_dataset(g, name, H5::PredType::STD_I64LE, {}, &v, H5::PredType::NATIVE_INT64);
   const uint64_t sum = fnv1a64(&v, sizeof v);
-  write_sum_attr(ds, sum);
+  h5util::set_uint64_attr(ds, kSumAttr, sum);
   manifest.add(group_path + "/" + name, "int64", {}, sum);
 }
 
@@ -242,9 +207,9 @@ at::Tensor read_checked(const H5::Group& g, const std::string& path, const std::
   if (g.childObjType(name) != H5O_TYPE_DATASET) throw Fault(path + " is not a dataset");
   H5::DataSet ds = g.openDataSet(name);
   const std::string want_type = integer ? "int64" : "float32";
-  const std::string type = type_name(ds);
+  const std::string type = h5util::type_name(ds);
   if (type != want_type) throw Fault(fmt::format("{} has type {}, expected {}", path, type, want_type));
-  const std::vector<int64_t> dims = dims_of(ds);
+  const std::vector<int64_t> dims = h5util::dims_of(ds);
   if (dims != shape) {
     throw Fault(fmt::format("{} has shape [{}], this rank's {} is [{}]", path, fmt::join(dims, ", "),
                             integer ? "step counter" : "shard", fmt::join(shape, ", ")));
@@ -254,8 +219,7 @@ at::Tensor read_checked(const H5::Group& g, const std::string& path, const std::
     ds.read(t.data_ptr(), integer ? H5::PredType::NATIVE_INT64 : H5::PredType::NATIVE_FLOAT);
   }
   if (!ds.attrExists(kSumAttr)) throw Fault(path + " has no checksum (attribute fnv1a64)");
-  uint64_t stored = 0;
-  ds.openAttribute(kSumAttr).read(H5::PredType::NATIVE_UINT64, &stored);
+  const uint64_t stored = h5util::read_uint64_attr(ds, kSumAttr);
   const uint64_t sum = fnv1a64(t.data_ptr(), t.numel() * t.element_size());
   if (sum != stored) {
     throw Fault(fmt::format("{} checksum mismatch: stored {:016x}, computed {:016x}", path, stored,
@@ -273,12 +237,6 @@ at::Tensor read_checked(const H5::Group& g, const std::string& path, const std::
     }
   }
   return t;
-}
-
-std::vector<std::string> child_names(const H5::Group& g) {
-  std::vector<std::string> out;
-  for (hsize_t i = 0; i < g.getNumObjs(); ++i) out.push_back(g.getObjnameByIdx(i));
-  return out;
 }
 
 void write_rank_file(const std::string& path, int64_t step, const nlohmann::json& numerics,
@@ -316,7 +274,7 @@ void write_rank_file(const std::string& path, int64_t step, const nlohmann::json
   }
   const std::map<std::string, int64_t> ints = {{"step", step}, {"rank", rank}, {"world", world}};
   for (const auto& [name, value] : ints) {
-    write_int_attr(root, name, value);
+    h5util::write_int_attr(root, name, value);
     manifest.attr(name, std::to_string(value));
   }
 }
@@ -426,8 +384,9 @@ LoadedCheckpoint read_verified(const std::string& dir, const std::string& label,
     const std::string format = read_string_attr(root, "format");
     if (format != kFormat) throw Fault("is not a \"" + std::string(kFormat) + "\" file (" + format + ")");
     manifest.attr("format", format);
-    const int64_t step = read_int_attr(root, "step"), file_rank = read_int_attr(root, "rank"),
-                  file_world = read_int_attr(root, "world");
+    const int64_t step = h5util::read_int_attr(root, "step"),
+                  file_rank = h5util::read_int_attr(root, "rank"),
+                  file_world = h5util::read_int_attr(root, "world");
     if (step != meta.step) {
       throw Fault(fmt::format("holds step {}, meta.json says step {}", step, meta.step));
     }
@@ -457,7 +416,7 @@ LoadedCheckpoint read_verified(const std::string& dir, const std::string& label,
       }
     }
     H5::Group pg = file.openGroup("/params");
-    for (const auto& pname : child_names(pg)) {
+    for (const auto& pname : h5util::child_names(pg)) {
       if (shapes.count(pname) == 0) throw Fault("/params/" + pname + " is not a parameter here");
     }
     for (const auto& [pname, shape] : shapes) {
@@ -472,7 +431,7 @@ LoadedCheckpoint read_verified(const std::string& dir, const std::string& label,
       }
       listed.insert(s.get<std::string>());
     }
-    for (const auto& gname : child_names(og)) {
+    for (const auto& gname : h5util::child_names(og)) {
       if (listed.count(gname) == 0) throw Fault("/optim/" + gname + " is not listed in attribute optim");
     }
     for (const auto& pname : listed) {
@@ -499,6 +458,8 @@ LoadedCheckpoint read_verified(const std::string& dir, const std::string& label,
                               meta.digests.at(static_cast<size_t>(rank))));
     }
   } catch (const Fault& e) {
+    throw Fault(name + ": " + e.what());
+  } catch (const h5util::AttributeError& e) {
     throw Fault(name + ": " + e.what());
   } catch (const H5::Exception& e) {
     throw Fault(name + " cannot be read as HDF5 (" + h5_message(e) + ")");

@@ -13,6 +13,7 @@
 #include "resume_files.h"
 
 #include <H5Cpp.h>
+#include <reference/h5_util.h>
 
 #include <cmath>
 #include <fstream>
@@ -24,16 +25,7 @@ namespace {
 
 void resign(H5::DataSet& ds, const std::vector<float>& v) {
   const uint64_t sum = fsdp_train::fnv1a64(v.data(), v.size() * sizeof(float));
-  ds.openAttribute("fnv1a64").write(H5::PredType::NATIVE_UINT64, &sum);
-}
-
-std::vector<float> read_all(const H5::DataSet& ds, std::vector<hsize_t>& dims) {
-  H5::DataSpace space = ds.getSpace();
-  dims.resize(static_cast<size_t>(space.getSimpleExtentNdims()));
-  space.getSimpleExtentDims(dims.data());
-  std::vector<float> v(static_cast<size_t>(space.getSimpleExtentNpoints()));
-  ds.read(v.data(), H5::PredType::NATIVE_FLOAT);
-  return v;
+  h5util::set_uint64_attr(ds, "fnv1a64", sum);
 }
 
 int usage() {
@@ -67,7 +59,7 @@ int main(int argc, char** argv) {
     } else if (cmd == "nan" || cmd == "reshape") {
       H5::DataSet ds = f.openDataSet(path);
       std::vector<hsize_t> dims;
-      std::vector<float> v = read_all(ds, dims);
+      std::vector<float> v = h5util::read_all<float>(ds, H5::PredType::NATIVE_FLOAT, &dims);
       if (cmd == "nan") {
         v.at(0) = std::numeric_limits<float>::quiet_NaN();
         ds.write(v.data(), H5::PredType::NATIVE_FLOAT);
@@ -77,10 +69,8 @@ int main(int argc, char** argv) {
         f.unlink(path);
         dims.at(0) += 1;
         v.resize(v.size() / (dims[0] - 1) * dims[0], 0.0f);
-        H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
-        H5::DataSet nds = f.createDataSet(path, H5::PredType::IEEE_F32LE, space);
-        nds.write(v.data(), H5::PredType::NATIVE_FLOAT);
-        nds.createAttribute("fnv1a64", H5::PredType::STD_U64LE, H5::DataSpace(H5S_SCALAR));
+        H5::DataSet nds = h5util::write_dataset(f, path, H5::PredType::IEEE_F32LE, dims, v.data(),
+                                                H5::PredType::NATIVE_FLOAT);
         resign(nds, v);
       }
     } else {

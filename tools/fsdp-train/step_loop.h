@@ -1,0 +1,19 @@
+// fsdp-train's step loop: the training steps from a start step to --steps,
+// each one's progress line and loss.csv row, and the checkpoint saves
+// (every --checkpoint-every steps and at the end).
+#pragma once
+
+#include "progress.h"
+#include "test_hooks.h"
+#include "training_run.h"
+
+#include <cstdint>
+
+namespace fsdp_train {
+
+// Steps start + 1 .. cfg.steps on every rank, then rank 0's closing line
+// ("trained N steps in ..." or, with nothing to train, why). `log`: rank 0's
+// loss.csv (null elsewhere). `stall`: FSDP_TRAIN_STALL_AT, read at set-up.
+void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall);
+
+}  // namespace fsdp_train
