@@ -6,6 +6,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/runtime.h"
 #include "sharding/query.h"
+#include "sharding/registry.h"
+#include "sharding/sequential.h"
 #include "sharding/state.h"
 #include "base/shape_str.h"
 

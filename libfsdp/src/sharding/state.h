@@ -1,50 +1,23 @@
-// Internal: the state of one sharded unit, and the step context of the root
-// it belongs to (forward order, pass phase, end-of-backward finalisation).
+// Internal: the state of one sharded unit -- its modules and parameter
+// groups, its settings, its per-pass state -- and its hooks.
 #pragma once
 
 #include "fsdp/options.h"
 #include "sharding/lifecycle.h"
 #include "sharding/param_group.h"
-#include "sharding/query.h"
 
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
 namespace detail {
-
-// One root's step: which pass is running, the order its units ran forward
-// in, and how far its reductions have been issued. Every unit under the
-// root shares it; another root (a second model, or a second pipeline stage
-// on this rank) has its own, so their steps cannot disturb each other.
-struct RootContext {
-  enum class Phase { Idle, Forward, ForwardDone, Backward };
-  Phase phase = Phase::Idle;
-  // Units in the order of their first forward this pass, then units first
-  // seen in backward.
-  std::vector<std::weak_ptr<UnitState>> order;
-  // Counts the passes whose `order` was recorded into the units'
-  // forward_successor (UnitState::successor_generation says which one).
-  uint64_t order_generation = 0;
-  // Reductions are issued strictly in reverse forward order, so every rank
-  // issues them in one order whatever gradients it received: the next unit
-  // (counted from the end of `order`) whose reduction is to be issued.
-  size_t reduce_cursor = 0;
-  // Units whose reductions were issued and are not yet finished, in issue
-  // order (reductions left in flight by set_is_last_backward(false)).
-  std::vector<std::weak_ptr<UnitState>> in_flight;
-  // Units this root's hooks prefetched in the current pass. One that never
-  // ran (a branch not taken) still has its all-gather in flight, reading the
-  // shards the optimizer is about to update in place: dropped at the end of
-  // backward and at the next root forward.
-  std::vector<std::weak_ptr<UnitState>> prefetched;
-  bool callback_queued = false;
-};
-
+struct RootContext;  // sharding/root_pass.h
 }  // namespace detail
 
 struct UnitState : std::enable_shared_from_this<UnitState> {
@@ -143,17 +116,4 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   std::weak_ptr<UnitState> root_;
 };
 
-namespace detail {
-
-std::shared_ptr<UnitState> unit_for_module(const torch::nn::Module& module);
-std::vector<std::shared_ptr<UnitState>> live_units();
-void register_unit(const std::shared_ptr<UnitState>& unit);
-// Parameters (by TensorImpl) already managed by a live unit.
-bool is_managed(const at::Tensor& param);
-int64_t next_unit_id();
-// Re-routes entries of torch::nn::Sequential containers inside `module`
-// whose modules are sharded units through those units.
-void intercept_sequential_children(torch::nn::Module& module);
-
-}  // namespace detail
 }  // namespace fsdp
