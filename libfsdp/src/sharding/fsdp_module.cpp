@@ -62,16 +62,16 @@ void for_units(UnitState& unit, bool recurse, Fn fn) {
 }  // namespace
 
 void FSDPModule::set_requires_gradient_sync(bool v, bool recurse) {
-  for_units(unit(), recurse, [v](UnitState& u) { u.requires_gradient_sync = v; });
+  for_units(unit(), recurse, [v](UnitState& u) { u.settings.requires_gradient_sync = v; });
 }
 void FSDPModule::set_requires_all_reduce(bool v, bool recurse) {
-  for_units(unit(), recurse, [v](UnitState& u) { u.requires_all_reduce = v; });
+  for_units(unit(), recurse, [v](UnitState& u) { u.settings.requires_all_reduce = v; });
 }
 void FSDPModule::set_reshard_after_forward(ReshardAfterForward v, bool recurse) {
-  for_units(unit(), recurse, [v](UnitState& u) { u.reshard_after_forward = v; });
+  for_units(unit(), recurse, [v](UnitState& u) { u.settings.reshard_after_forward = v; });
 }
 void FSDPModule::set_reshard_after_backward(bool v, bool recurse) {
-  for_units(unit(), recurse, [v](UnitState& u) { u.reshard_after_backward = v; });
+  for_units(unit(), recurse, [v](UnitState& u) { u.settings.reshard_after_backward = v; });
 }
 
 void FSDPModule::set_reduce_op_type(const std::string& reduce_op) {
@@ -80,7 +80,7 @@ void FSDPModule::set_reduce_op_type(const std::string& reduce_op) {
                                          "\"; accepted: \"sum\", \"avg\"");
   }
   const bool average = reduce_op == "avg";
-  for_units(unit(), true, [average](UnitState& u) { u.average = average; });
+  for_units(unit(), true, [average](UnitState& u) { u.settings.average = average; });
 }
 
 namespace {
@@ -94,7 +94,7 @@ void check_factor(const char* fn, const std::optional<double>& factor) {
 
 void FSDPModule::set_gradient_scaling_factor(std::optional<double> factor) {
   check_factor("set_gradient_scaling_factor", factor);
-  for_units(unit(), true, [factor](UnitState& u) { u.scaling_factor = factor; });
+  for_units(unit(), true, [factor](UnitState& u) { u.settings.scaling_factor = factor; });
 }
 
 void FSDPModule::set_gradient_divide_factor(std::optional<double> factor) {
@@ -105,7 +105,7 @@ void FSDPModule::set_gradient_divide_factor(std::optional<double> factor) {
 }
 
 void FSDPModule::set_is_last_backward(bool v) {
-  for_units(unit(), true, [v](UnitState& u) { u.is_last_backward = v; });
+  for_units(unit(), true, [v](UnitState& u) { u.settings.is_last_backward = v; });
 }
 
 std::vector<std::weak_ptr<UnitState>> FSDPModule::prefetch_units(
@@ -124,14 +124,14 @@ std::vector<std::weak_ptr<UnitState>> FSDPModule::prefetch_units(
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
   auto list = prefetch_units(modules, "set_modules_to_forward_prefetch");
-  unit().forward_prefetch = std::move(list);
-  unit().explicit_forward_prefetch = true;
+  unit().settings.forward_prefetch = std::move(list);
+  unit().settings.explicit_forward_prefetch = true;
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
   auto list = prefetch_units(modules, "set_modules_to_backward_prefetch");
-  unit().backward_prefetch = std::move(list);
-  unit().explicit_backward_prefetch = true;
+  unit().settings.backward_prefetch = std::move(list);
+  unit().settings.explicit_backward_prefetch = true;
 }
 
 UnshardHandle FSDPModule::unshard(bool async_op) {
@@ -162,9 +162,9 @@ void FSDPModule::reduce_gradients(bool recurse) {
   std::sort(units.begin(), units.end(),
             [](const auto& a, const auto& b) { return a->id > b->id; });
   for (auto& u : units) {
-    if (u->lifecycle.state() != detail::Lifecycle::Idle) {
+    if (u->pass.lifecycle.state() != detail::Lifecycle::Idle) {
       throw StateError("reduce_gradients: unit " + u->error_label() + " is in " +
-                       detail::to_string(u->lifecycle.state()) +
+                       detail::to_string(u->pass.lifecycle.state()) +
                        "; call it between passes (after backward, before the next forward)");
     }
   }

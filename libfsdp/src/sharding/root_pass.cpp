@@ -30,12 +30,12 @@ std::vector<std::shared_ptr<UnitState>> units_of(UnitState& root) {
 }
 
 void reset_pass_state(UnitState& u) {
-  u.lifecycle.reset();
-  u.forward_entries = 0;
-  u.in_order = false;
-  u.grads_ready = 0;
-  u.reduce_prepared = false;
-  for (auto& a : u.arrived) std::fill(a.begin(), a.end(), false);
+  u.pass.lifecycle.reset();
+  u.pass.forward_entries = 0;
+  u.pass.in_order = false;
+  u.pass.grads_ready = 0;
+  u.pass.reduce_prepared = false;
+  for (auto& a : u.pass.arrived) std::fill(a.begin(), a.end(), false);
 }
 
 }  // namespace
@@ -51,13 +51,13 @@ std::vector<std::shared_ptr<UnitState>> locked(const std::vector<std::weak_ptr<U
 
 void begin_backward(UnitState& unit) {
   RootContext& c = unit.context();
-  if (!unit.in_order) {
+  if (!unit.pass.in_order) {
     // Not seen in this pass's forward (e.g. its forward ran in an earlier
     // pass whose backward is this one): reduced after the others.
-    unit.in_order = true;
-    unit.forward_predecessor.reset();
+    unit.pass.in_order = true;
+    unit.neighbours.forward_predecessor.reset();
     if (auto front = c.order.empty() ? nullptr : c.order.front().lock()) {
-      front->forward_predecessor = unit.weak_from_this();
+      front->neighbours.forward_predecessor = unit.weak_from_this();
     }
     c.order.insert(c.order.begin(), unit.weak_from_this());
   }
@@ -102,7 +102,7 @@ bool completes_within_grace(const UnitState& u) {
 void finish_older_reductions(RootContext& c) {
   while (c.in_flight.size() > 1) {
     auto oldest = c.in_flight.front().lock();
-    if (oldest && (!oldest->is_last_backward || !completes_within_grace(*oldest))) return;
+    if (oldest && (!oldest->settings.is_last_backward || !completes_within_grace(*oldest))) return;
     if (oldest) oldest->finish_reductions();
     c.in_flight.erase(c.in_flight.begin());
   }
@@ -116,11 +116,11 @@ void finish_older_reductions(RootContext& c) {
 void issue_ready_reductions(RootContext& c) {
   while (c.reduce_cursor < c.order.size()) {
     auto u = c.order[c.order.size() - 1 - c.reduce_cursor].lock();
-    if (u && u->reduces() && u->in_order) {
-      if (!u->reduce_prepared) break;
+    if (u && u->reduces() && u->pass.in_order) {
+      if (!u->pass.reduce_prepared) break;
       TraceUnit traced(*u);
       for (auto& g : u->groups) g.issue_reduce();
-      u->reduce_prepared = false;
+      u->pass.reduce_prepared = false;
       c.in_flight.push_back(u);
       if (!open_backward.empty()) trace_close(open_backward, u->id);
       finish_older_reductions(c);
@@ -166,20 +166,20 @@ void finalize_backward(const std::weak_ptr<UnitState>& root_weak) {
   // still in reverse forward order.
   for (size_t k = c.reduce_cursor; k < c.order.size(); ++k) {
     auto u = c.order[c.order.size() - 1 - k].lock();
-    if (!u || u->lifecycle.state() == Lifecycle::PostBackward) continue;
+    if (!u || u->pass.lifecycle.state() == Lifecycle::PostBackward) continue;
     u->post_backward();
   }
   issue_ready_reductions(c);
   // Every unit that took part is resharded, also one whose output was unused.
   for (auto& u : units) {
-    if (u->lifecycle.state() != Lifecycle::PostBackward) u->post_backward();
+    if (u->pass.lifecycle.state() != Lifecycle::PostBackward) u->post_backward();
     if (!open_backward.empty()) trace_close(open_backward, u->id);
   }
   // set_is_last_backward(false) leaves a unit's reductions in flight (the
   // next forward, backward or finish_pending_reductions() finishes them).
   std::vector<std::weak_ptr<UnitState>> kept;
   for (auto& u : locked(c.in_flight)) {
-    if (u->is_last_backward) {
+    if (u->settings.is_last_backward) {
       u->finish_reductions();
     } else {
       kept.push_back(u);
@@ -189,7 +189,7 @@ void finalize_backward(const std::weak_ptr<UnitState>& root_weak) {
   drop_unused_prefetches(c);
   for (auto& u : units) {
     for (auto& g : u->groups) {
-      for (auto& p : g.params()) p.commit_pass(/*reduced=*/u->requires_gradient_sync);
+      for (auto& p : g.params()) p.commit_pass(/*reduced=*/u->settings.requires_gradient_sync);
     }
     u->transition(Lifecycle::Idle, "end of backward");
     reset_pass_state(*u);
@@ -233,15 +233,15 @@ void begin_forward_pass(UnitState& root) {
   finish_in_flight(c);
   drop_unused_prefetches(c);
   for (auto& u : locked(c.order)) {
-    u->in_order = false;
+    u->pass.in_order = false;
     for (auto& g : u->groups) g.wait_host_copies();
   }
   if (!c.order.empty()) {
     ++c.order_generation;
     for (size_t i = 0; i + 1 < c.order.size(); ++i) {
       if (auto u = c.order[i].lock()) {
-        u->forward_successor = c.order[i + 1];
-        u->successor_generation = c.order_generation;
+        u->neighbours.forward_successor = c.order[i + 1];
+        u->neighbours.successor_generation = c.order_generation;
       }
     }
   }

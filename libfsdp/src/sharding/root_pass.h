@@ -24,7 +24,7 @@ struct RootContext {
   // seen in backward.
   std::vector<std::weak_ptr<UnitState>> order;
   // Counts the passes whose `order` was recorded into the units'
-  // forward_successor (UnitState::successor_generation says which one).
+  // neighbours.forward_successor (their successor_generation says which).
   uint64_t order_generation = 0;
   // Reductions are issued strictly in reverse forward order, so every rank
   // issues them in one order whatever gradients it received: the next unit

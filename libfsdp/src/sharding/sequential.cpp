@@ -59,7 +59,7 @@ bool begin_forward(const torch::nn::Module& module, std::shared_ptr<UnitState>& 
     const bool recompute = RecomputeGuard::active();
     // A unit inside a checkpointed segment gets no pre-backward (its forward
     // ran without grad): its backward begins with the recompute.
-    if (recompute && unit->lifecycle.state() != Lifecycle::PreBackward &&
+    if (recompute && unit->pass.lifecycle.state() != Lifecycle::PreBackward &&
         !has_open(open_backward, unit->id)) {
       trace_open(open_backward, *unit, "backward");
     }

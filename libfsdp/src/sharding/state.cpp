@@ -51,23 +51,23 @@ UnitState::UnitState(int64_t id_, std::vector<std::shared_ptr<torch::nn::Module>
                      const FullyShardOptions& options)
     : id(id_),
       mesh(std::move(mesh_)),
-      groups(std::move(groups_)),
-      mp(options.mp_policy),
-      reshard_after_forward(options.reshard_after_forward) {
+      groups(std::move(groups_)) {
+  settings.mp = options.mp_policy;
+  settings.reshard_after_forward = options.reshard_after_forward;
   for (auto& m : mods) {
     modules.push_back(m);
     module_ptrs.push_back(m.get());
   }
   bool on_cuda = mesh.device_type() == c10::kCUDA;
   for (const auto& g : groups) {
-    arrived.emplace_back(g.params().size(), false);
+    pass.arrived.emplace_back(g.params().size(), false);
     for (const auto& p : g.params()) {
       grads_expected += p.requires_grad() ? 1 : 0;
       on_cuda = on_cuda || p.compute_device().is_cuda();
     }
   }
   computes_on_cuda = on_cuda;
-  implicit_backward_prefetch = options.implicit_backward_prefetch.value_or(on_cuda);
+  settings.implicit_backward_prefetch = options.implicit_backward_prefetch.value_or(on_cuda);
 }
 
 bool UnitState::alive() const {
@@ -127,7 +127,7 @@ std::shared_ptr<UnitState> UnitState::root() {
 bool UnitState::is_root() { return root().get() == this; }
 
 bool UnitState::reshards_after_forward() {
-  if (const auto v = reshard_after_forward.value()) return *v;
+  if (const auto v = settings.reshard_after_forward.value()) return *v;
   return !(at::GradMode::is_enabled() && is_root());
 }
 
@@ -166,7 +166,7 @@ std::string UnitState::label() {
 }
 
 void UnitState::transition(detail::Lifecycle to, const char* why) {
-  lifecycle.transition(to, [this] { return error_label(); }, why);
+  pass.lifecycle.transition(to, [this] { return error_label(); }, why);
 }
 
 std::string UnitState::error_label() { return label() + " #" + std::to_string(id);
@@ -178,7 +178,7 @@ bool UnitState::unsharded() const {
 }
 
 bool UnitState::reduces() const {
-  return requires_gradient_sync &&
+  return settings.requires_gradient_sync &&
          std::any_of(groups.begin(), groups.end(),
                      [](const detail::ParamGroup& g) { return g.reduces(); });
 }
@@ -222,21 +222,21 @@ void UnitState::pre_forward() {
   detail::RootContext& c = context();
   const bool recompute = detail::RecomputeGuard::active();
   if (!recompute && is_root()) detail::begin_forward_pass(*this);
-  lifecycle.enter_forward([this] { return error_label(); });
-  if (!recompute && !in_order) {
-    in_order = true;
+  pass.lifecycle.enter_forward([this] { return error_label(); });
+  if (!recompute && !pass.in_order) {
+    pass.in_order = true;
     if (c.order.empty()) {
-      forward_predecessor.reset();
+      neighbours.forward_predecessor.reset();
     } else {
-      forward_predecessor = c.order.back();
+      neighbours.forward_predecessor = c.order.back();
     }
     c.order.push_back(weak_from_this());
   }
-  ++forward_entries;
+  ++pass.forward_entries;
   wait_unshard();
   if (recompute) return;
-  if (explicit_forward_prefetch) {
-    for (auto& weak : forward_prefetch) {
+  if (settings.explicit_forward_prefetch) {
+    for (auto& weak : settings.forward_prefetch) {
       if (auto u = weak.lock()) detail::prefetch(c, *u);
     }
     return;
@@ -246,14 +246,15 @@ void UnitState::pre_forward() {
   // pre-forward, where the caller would wait for it. The order is the
   // model's, the same on every rank, so every rank issues the same gathers;
   // a guess that proves wrong is dropped like any unused prefetch.
-  if (successor_generation != c.order_generation) return;
-  auto next = forward_successor.lock();
-  if (next && next.get() != this && !next->in_order && !next->unsharded()) {
+  if (neighbours.successor_generation != c.order_generation) return;
+  auto next = neighbours.forward_successor.lock();
+  if (next && next.get() != this && !next->pass.in_order && !next->unsharded()) {
     detail::prefetch(c, *next);
   }
 }
 
 at::Tensor UnitState::cast_input(const at::Tensor& t) const {
+  const MixedPrecisionPolicy& mp = settings.mp;
   if (mp.cast_forward_inputs && mp.param_dtype && t.defined() && t.is_floating_point()) {
     return t.to(*mp.param_dtype);
   }
@@ -262,6 +263,7 @@ at::Tensor UnitState::cast_input(const at::Tensor& t) const {
 
 at::Tensor UnitState::finish_output(const at::Tensor& t) {
   at::Tensor out = t;
+  const MixedPrecisionPolicy& mp = settings.mp;
   if (mp.output_dtype && out.defined() && out.is_floating_point()) out = out.to(*mp.output_dtype);
   if (out.defined() && out.requires_grad() && !detail::RecomputeGuard::active()) {
     out = detail::PreBackward::apply(out, id);
@@ -270,10 +272,10 @@ at::Tensor UnitState::finish_output(const at::Tensor& t) {
 }
 
 void UnitState::post_forward() {
-  lifecycle.leave_forward([this] { return error_label(); });
+  pass.lifecycle.leave_forward([this] { return error_label(); });
   // A unit over several modules reshards once all of them ran.
-  if (forward_entries % static_cast<int64_t>(modules.size()) != 0) return;
-  forward_entries = 0;
+  if (pass.forward_entries % static_cast<int64_t>(modules.size()) != 0) return;
+  pass.forward_entries = 0;
   // A recompute inside backward (activation checkpointing) needs the full
   // parameters for the backward that follows; post_backward reshards.
   if (detail::RecomputeGuard::active()) return;
@@ -294,12 +296,12 @@ void UnitState::pre_backward() {
   detail::begin_backward(*this);
   // An output whose gradient arrives after this unit reduced (it does not
   // depend on the unit's parameters) needs nothing more.
-  if (lifecycle.state() != detail::Lifecycle::Idle) return;
+  if (pass.lifecycle.state() != detail::Lifecycle::Idle) return;
   transition(detail::Lifecycle::PreBackward, "pre-backward");
   if (trace::enabled()) detail::trace_open(detail::open_backward, *this, "backward");
   wait_unshard();
-  if (explicit_backward_prefetch) {
-    for (auto& weak : backward_prefetch) {
+  if (settings.explicit_backward_prefetch) {
+    for (auto& weak : settings.backward_prefetch) {
       if (auto u = weak.lock()) detail::prefetch(context(), *u);
     }
     return;
@@ -307,34 +309,34 @@ void UnitState::pre_backward() {
   // Implicit prefetch: the unit that ran forward just before this one runs
   // backward next -- unless it already began its backward (an enclosing
   // unit, such as the root, whose outputs' gradients arrived first).
-  if (!implicit_backward_prefetch) return;
-  auto prev = forward_predecessor.lock();
-  if (prev && prev->lifecycle.state() == detail::Lifecycle::Idle) {
+  if (!settings.implicit_backward_prefetch) return;
+  auto prev = neighbours.forward_predecessor.lock();
+  if (prev && prev->pass.lifecycle.state() == detail::Lifecycle::Idle) {
     detail::prefetch(context(), *prev);
   }
 }
 
 void UnitState::on_grad_ready(size_t group, size_t index) {
   detail::begin_backward(*this);
-  if (lifecycle.state() == detail::Lifecycle::Idle) {
+  if (pass.lifecycle.state() == detail::Lifecycle::Idle) {
     // No pre-backward ran: the unit's forward was recomputed (activation
     // checkpointing) or its outputs carry no hook.
     transition(detail::Lifecycle::PreBackward, "first gradient");
   }
-  if (lifecycle.state() == detail::Lifecycle::PostBackward) {
+  if (pass.lifecycle.state() == detail::Lifecycle::PostBackward) {
     throw StateError("fully_shard: unit " + error_label() + ": a gradient of '" +
                      groups[group].params()[index].name() +
                      "' arrived after the unit's gradients were reduced in this backward "
                      "(illegal transition PostBackward -> PostBackward)");
   }
   groups[group].params()[index].take_pass_grad();
-  if (arrived[group][index]) return;  // accumulated again in this pass
-  arrived[group][index] = true;
-  if (++grads_ready == grads_expected) post_backward();
+  if (pass.arrived[group][index]) return;  // accumulated again in this pass
+  pass.arrived[group][index] = true;
+  if (++pass.grads_ready == grads_expected) post_backward();
 }
 
 void UnitState::post_backward() {
-  if (lifecycle.state() == detail::Lifecycle::Idle) {
+  if (pass.lifecycle.state() == detail::Lifecycle::Idle) {
     transition(detail::Lifecycle::PreBackward, "end of backward");
   }
   transition(detail::Lifecycle::PostBackward, "post-backward");
@@ -342,13 +344,13 @@ void UnitState::post_backward() {
     detail::TraceUnit traced(*this);
     if (reduces()) {
       for (auto& g : groups) g.prepare_reduce(reduce_settings());
-      reduce_prepared = true;
+      pass.reduce_prepared = true;
     }
   }
-  if (reshard_after_backward) reshard();
+  if (settings.reshard_after_backward) reshard();
   // A unit's backward span lasts until its reduction is issued (a later
   // unit's turn may come first: reductions go in reverse forward order).
-  if (reduce_prepared) {
+  if (pass.reduce_prepared) {
     detail::issue_ready_reductions(context());
   } else if (!detail::open_backward.empty()) {
     detail::trace_close(detail::open_backward, id);
@@ -357,10 +359,10 @@ void UnitState::post_backward() {
 
 detail::ReduceSettings UnitState::reduce_settings() const {
   detail::ReduceSettings s;
-  s.average = average;
-  s.scaling_factor = scaling_factor;
-  s.all_reduce = requires_all_reduce;
-  s.fp32_main_grad = mp.apply_grad_on_fp32_main_grad;
+  s.average = settings.average;
+  s.scaling_factor = settings.scaling_factor;
+  s.all_reduce = settings.requires_all_reduce;
+  s.fp32_main_grad = settings.mp.apply_grad_on_fp32_main_grad;
   return s;
 }
 

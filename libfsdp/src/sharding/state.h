@@ -24,6 +24,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   UnitState(int64_t id, std::vector<std::shared_ptr<torch::nn::Module>> modules, DeviceMesh mesh,
             std::vector<detail::ParamGroup> groups, const FullyShardOptions& options);
 
+  // What the unit is, fixed by fully_shard: its modules, mesh and parameters.
   const int64_t id;
   std::vector<std::weak_ptr<torch::nn::Module>> modules;
   std::vector<const torch::nn::Module*> module_ptrs;
@@ -31,38 +32,48 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   std::vector<detail::ParamGroup> groups;
   // (group, index) of every parameter in module order.
   std::vector<std::pair<size_t, size_t>> param_order;
-  MixedPrecisionPolicy mp;
-
-  // Settings (FSDPModule setters).
-  ReshardAfterForward reshard_after_forward;
-  bool reshard_after_backward = true;
-  bool requires_gradient_sync = true;
-  bool requires_all_reduce = true;
-  bool is_last_backward = true;
-  bool average = true;
-  std::optional<double> scaling_factor;
-  std::vector<std::weak_ptr<UnitState>> forward_prefetch;
-  bool explicit_forward_prefetch = false;
-  std::vector<std::weak_ptr<UnitState>> backward_prefetch;
-  bool explicit_backward_prefetch = false;
-  bool implicit_backward_prefetch = true;  // FullyShardOptions' (resolved)
+  int64_t grads_expected = 0;     // parameters that require a gradient
   bool computes_on_cuda = false;  // a parameter (or the mesh) is on CUDA
 
-  // Per pass.
-  detail::UnitLifecycle lifecycle;
-  int64_t forward_entries = 0;
-  bool in_order = false;             // listed in the root context's order
-  // Neighbours in `order`, so that the implicit prefetches find theirs in
-  // O(1): the unit before this one in this pass (backward prefetches it),
-  // and the one after it in the last recorded pass (forward prefetches it;
-  // valid while successor_generation is the context's order_generation).
-  std::weak_ptr<UnitState> forward_predecessor;
-  std::weak_ptr<UnitState> forward_successor;
-  uint64_t successor_generation = 0;
-  std::vector<std::vector<bool>> arrived;  // [group][param]: gradient arrived
-  int64_t grads_ready = 0;
-  int64_t grads_expected = 0;
-  bool reduce_prepared = false;
+  // What the user configures (FullyShardOptions, the FSDPModule setters):
+  // the same on every rank, so whatever the hooks decide from it is too.
+  struct Settings {
+    MixedPrecisionPolicy mp;
+    ReshardAfterForward reshard_after_forward;
+    bool reshard_after_backward = true;
+    bool requires_gradient_sync = true;
+    bool requires_all_reduce = true;
+    bool is_last_backward = true;
+    bool average = true;
+    std::optional<double> scaling_factor;
+    std::vector<std::weak_ptr<UnitState>> forward_prefetch;
+    bool explicit_forward_prefetch = false;
+    std::vector<std::weak_ptr<UnitState>> backward_prefetch;
+    bool explicit_backward_prefetch = false;
+    bool implicit_backward_prefetch = true;  // FullyShardOptions' (resolved)
+  } settings;
+
+  // Where the unit is in the current pass: reset by the root at the end of
+  // backward and after a pass that threw, so no pass inherits another's.
+  struct Pass {
+    detail::UnitLifecycle lifecycle;
+    int64_t forward_entries = 0;
+    bool in_order = false;  // listed in the root context's order
+    std::vector<std::vector<bool>> arrived;  // [group][param]: gradient arrived
+    int64_t grads_ready = 0;
+    bool reduce_prepared = false;
+  } pass;
+
+  // Neighbours in the root context's order, so that the implicit prefetches
+  // find theirs in O(1): the unit before this one in this pass (backward
+  // prefetches it), and the one after it in the last recorded pass (forward
+  // prefetches it; valid while successor_generation is the context's
+  // order_generation). They outlive a pass: the next one reads them.
+  struct Neighbours {
+    std::weak_ptr<UnitState> forward_predecessor;
+    std::weak_ptr<UnitState> forward_successor;
+    uint64_t successor_generation = 0;
+  } neighbours;
 
   bool alive() const;
   // Whether `other`'s modules lie inside this unit's modules.
