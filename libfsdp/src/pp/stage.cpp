@@ -2,6 +2,7 @@
 #include "pp/stage.h"
 
 #include "fsdp/errors.h"
+#include "sharding/registry.h"
 #include "sharding/state.h"
 
 #include <unordered_set>

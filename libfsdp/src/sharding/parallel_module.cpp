@@ -2,7 +2,7 @@
 // distributes: the DistributedParams they list.
 #include "fsdp/parallel_module.h"
 
-#include "sharding/query.h"
+#include "sharding/registry.h"
 
 #include <unordered_set>
 

@@ -28,7 +28,7 @@ struct AllReduceQueue {
   std::mutex mu;
   std::deque<ParamGroup*> groups;
 };
-// Never destroyed: the unit registry (state.cpp) destroys its units' groups
+// Never destroyed: the unit registry (registry.cpp) destroys its units' groups
 // at exit, and each leaves this queue then. A function-local static queue was
 // destroyed first (ASan: heap-use-after-free in ~ParamGroup at exit).
 AllReduceQueue& all_reduce_queue() {

@@ -3,6 +3,7 @@
 #include "sharding/query.h"
 
 #include "base/torch_compat.h"
+#include "sharding/registry.h"
 #include "sharding/state.h"
 
 #include <torch/csrc/autograd/variable.h>

@@ -44,11 +44,6 @@ std::vector<UnitRef> unshard_for_grad_edges(const std::vector<at::Tensor>& param
 // Reshards those of `units` that their own forward would have left sharded.
 void reshard_as_after_forward(const std::vector<UnitRef>& units);
 
-// Whether a live unit manages `param` (by TensorImpl). Tensor parallelism's
-// dtensor_params() leaves such parameters out. Defined with the unit
-// registry (state.cpp), which declares it too.
-bool is_managed(const at::Tensor& param);
-
 // Every parameter of the modules of `module`'s unit (a unit over several
 // modules: all of them; nested units and plain parameters included); none
 // if `module` is not a unit.

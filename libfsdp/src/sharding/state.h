@@ -1,56 +1,30 @@
-// Internal: the state of one sharded unit, and the step context of the root
-// it belongs to (forward order, pass phase, end-of-backward finalisation).
+// Internal: the state of one sharded unit -- its modules and parameter
+// groups, its settings, its per-pass state -- and its hooks.
 #pragma once
 
 #include "fsdp/options.h"
 #include "sharding/lifecycle.h"
 #include "sharding/param_group.h"
-#include "sharding/query.h"
 
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
 namespace detail {
-
-// One root's step: which pass is running, the order its units ran forward
-// in, and how far its reductions have been issued. Every unit under the
-// root shares it; another root (a second model, or a second pipeline stage
-// on this rank) has its own, so their steps cannot disturb each other.
-struct RootContext {
-  enum class Phase { Idle, Forward, ForwardDone, Backward };
-  Phase phase = Phase::Idle;
-  // Units in the order of their first forward this pass, then units first
-  // seen in backward.
-  std::vector<std::weak_ptr<UnitState>> order;
-  // Counts the passes whose `order` was recorded into the units'
-  // forward_successor (UnitState::successor_generation says which one).
-  uint64_t order_generation = 0;
-  // Reductions are issued strictly in reverse forward order, so every rank
-  // issues them in one order whatever gradients it received: the next unit
-  // (counted from the end of `order`) whose reduction is to be issued.
-  size_t reduce_cursor = 0;
-  // Units whose reductions were issued and are not yet finished, in issue
-  // order (reductions left in flight by set_is_last_backward(false)).
-  std::vector<std::weak_ptr<UnitState>> in_flight;
-  // Units this root's hooks prefetched in the current pass. One that never
-  // ran (a branch not taken) still has its all-gather in flight, reading the
-  // shards the optimizer is about to update in place: dropped at the end of
-  // backward and at the next root forward.
-  std::vector<std::weak_ptr<UnitState>> prefetched;
-  bool callback_queued = false;
-};
-
+struct RootContext;  // sharding/root_pass.h
 }  // namespace detail
 
 struct UnitState : std::enable_shared_from_this<UnitState> {
   UnitState(int64_t id, std::vector<std::shared_ptr<torch::nn::Module>> modules, DeviceMesh mesh,
             std::vector<detail::ParamGroup> groups, const FullyShardOptions& options);
 
+  // What the unit is, fixed by fully_shard: its modules, mesh and parameters.
   const int64_t id;
   std::vector<std::weak_ptr<torch::nn::Module>> modules;
   std::vector<const torch::nn::Module*> module_ptrs;
@@ -58,38 +32,48 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   std::vector<detail::ParamGroup> groups;
   // (group, index) of every parameter in module order.
   std::vector<std::pair<size_t, size_t>> param_order;
-  MixedPrecisionPolicy mp;
-
-  // Settings (FSDPModule setters).
-  ReshardAfterForward reshard_after_forward;
-  bool reshard_after_backward = true;
-  bool requires_gradient_sync = true;
-  bool requires_all_reduce = true;
-  bool is_last_backward = true;
-  bool average = true;
-  std::optional<double> scaling_factor;
-  std::vector<std::weak_ptr<UnitState>> forward_prefetch;
-  bool explicit_forward_prefetch = false;
-  std::vector<std::weak_ptr<UnitState>> backward_prefetch;
-  bool explicit_backward_prefetch = false;
-  bool implicit_backward_prefetch = true;  // FullyShardOptions' (resolved)
+  int64_t grads_expected = 0;     // parameters that require a gradient
   bool computes_on_cuda = false;  // a parameter (or the mesh) is on CUDA
 
-  // Per pass.
-  detail::UnitLifecycle lifecycle;
-  int64_t forward_entries = 0;
-  bool in_order = false;             // listed in the root context's order
-  // Neighbours in `order`, so that the implicit prefetches find theirs in
-  // O(1): the unit before this one in this pass (backward prefetches it),
-  // and the one after it in the last recorded pass (forward prefetches it;
-  // valid while successor_generation is the context's order_generation).
-  std::weak_ptr<UnitState> forward_predecessor;
-  std::weak_ptr<UnitState> forward_successor;
-  uint64_t successor_generation = 0;
-  std::vector<std::vector<bool>> arrived;  // [group][param]: gradient arrived
-  int64_t grads_ready = 0;
-  int64_t grads_expected = 0;
-  bool reduce_prepared = false;
+  // What the user configures (FullyShardOptions, the FSDPModule setters):
+  // the same on every rank, so whatever the hooks decide from it is too.
+  struct Settings {
+    MixedPrecisionPolicy mp;
+    ReshardAfterForward reshard_after_forward;
+    bool reshard_after_backward = true;
+    bool requires_gradient_sync = true;
+    bool requires_all_reduce = true;
+    bool is_last_backward = true;
+    bool average = true;
+    std::optional<double> scaling_factor;
+    std::vector<std::weak_ptr<UnitState>> forward_prefetch;
+    bool explicit_forward_prefetch = false;
+    std::vector<std::weak_ptr<UnitState>> backward_prefetch;
+    bool explicit_backward_prefetch = false;
+    bool implicit_backward_prefetch = true;  // FullyShardOptions' (resolved)
+  } settings;
+
+  // Where the unit is in the current pass: reset by the root at the end of
+  // backward and after a pass that threw, so no pass inherits another's.
+  struct Pass {
+    detail::UnitLifecycle lifecycle;
+    int64_t forward_entries = 0;
+    bool in_order = false;  // listed in the root context's order
+    std::vector<std::vector<bool>> arrived;  // [group][param]: gradient arrived
+    int64_t grads_ready = 0;
+    bool reduce_prepared = false;
+  } pass;
+
+  // Neighbours in the root context's order, so that the implicit prefetches
+  // find theirs in O(1): the unit before this one in this pass (backward
+  // prefetches it), and the one after it in the last recorded pass (forward
+  // prefetches it; valid while successor_generation is the context's
+  // order_generation). They outlive a pass: the next one reads them.
+  struct Neighbours {
+    std::weak_ptr<UnitState> forward_predecessor;
+    std::weak_ptr<UnitState> forward_successor;
+    uint64_t successor_generation = 0;
+  } neighbours;
 
   bool alive() const;
   // Whether `other`'s modules lie inside this unit's modules.
@@ -143,17 +127,4 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   std::weak_ptr<UnitState> root_;
 };
 
-namespace detail {
-
-std::shared_ptr<UnitState> unit_for_module(const torch::nn::Module& module);
-std::vector<std::shared_ptr<UnitState>> live_units();
-void register_unit(const std::shared_ptr<UnitState>& unit);
-// Parameters (by TensorImpl) already managed by a live unit.
-bool is_managed(const at::Tensor& param);
-int64_t next_unit_id();
-// Re-routes entries of torch::nn::Sequential containers inside `module`
-// whose modules are sharded units through those units.
-void intercept_sequential_children(torch::nn::Module& module);
-
-}  // namespace detail
 }  // namespace fsdp
