@@ -22,9 +22,27 @@ using CheckpointPolicy [[deprecated("use fsdp::ActivationCheckpointPolicy")]] =
 template <typename M>
 using Checkpointed [[deprecated("use fsdp::ActivationCheckpointed")]] = ActivationCheckpointed<M>;
 
-template <typename... Args>
-[[deprecated("use fsdp::activation_checkpoint")]] at::Tensor checkpoint(Args&&... args) {
-  return activation_checkpoint(std::forward<Args>(args)...);
+// The four overloads spelled out: a forwarding template could not take the
+// braced input lists ({x, skip}) that calls to the old name pass.
+[[deprecated("use fsdp::activation_checkpoint")]] inline at::Tensor checkpoint(
+    const ActivationCheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& params, const ActivationCheckpointOptions& options = {}) {
+  return activation_checkpoint(fn, inputs, params, options);
+}
+[[deprecated("use fsdp::activation_checkpoint")]] inline at::Tensor checkpoint(
+    const ActivationCheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
+    const ActivationCheckpointOptions& options = {}) {
+  return activation_checkpoint(fn, inputs, options);
+}
+[[deprecated("use fsdp::activation_checkpoint")]] inline at::Tensor checkpoint(
+    const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input,
+    const std::vector<at::Tensor>& params, const ActivationCheckpointOptions& options = {}) {
+  return activation_checkpoint(fn, input, params, options);
+}
+[[deprecated("use fsdp::activation_checkpoint")]] inline at::Tensor checkpoint(
+    const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input,
+    const ActivationCheckpointOptions& options = {}) {
+  return activation_checkpoint(fn, input, options);
 }
 [[deprecated("use fsdp::activation_checkpoint_module")]] inline void checkpoint_module(
     const std::shared_ptr<torch::nn::Module>& module, ActivationCheckpointOptions options = {}) {
@@ -39,15 +57,14 @@ template <typename... Args>
 checkpoint_options_of(const torch::nn::Module& module) {
   return activation_checkpoint_options_of(module);
 }
-template <typename... Args>
-[[deprecated("use fsdp::activation_checkpoint_every_nth")]] ActivationCheckpointPolicy
-checkpoint_every_nth(Args&&... args) {
-  return activation_checkpoint_every_nth(std::forward<Args>(args)...);
+[[deprecated("use fsdp::activation_checkpoint_every_nth")]] inline ActivationCheckpointPolicy
+checkpoint_every_nth(int64_t n, std::function<bool(const torch::nn::Module&)> filter,
+                     ActivationCheckpointOptions options = {}) {
+  return activation_checkpoint_every_nth(n, std::move(filter), std::move(options));
 }
-template <typename... Args>
-[[deprecated("use fsdp::activation_checkpoint_names")]] ActivationCheckpointPolicy
-checkpoint_names(Args&&... args) {
-  return activation_checkpoint_names(std::forward<Args>(args)...);
+[[deprecated("use fsdp::activation_checkpoint_names")]] inline ActivationCheckpointPolicy
+checkpoint_names(std::vector<std::string> names, ActivationCheckpointOptions options = {}) {
+  return activation_checkpoint_names(std::move(names), std::move(options));
 }
 
 }  // namespace fsdp
