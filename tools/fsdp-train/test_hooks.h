@@ -1,5 +1,5 @@
 // fsdp-train's test hooks: environment variables the fault tests set to
-// make one rank misbehave at a named point of a step (README, "Test hooks").
+// make one rank misbehave at a named point of a step (docs/fsdp-train.md).
 //
 //   FSDP_TRAIN_CRASH_AT=<point>[@<step>]  rank 0 SIGKILLs itself in a
 //       checkpoint save (points: checkpoint.cpp; tools/fsdp-train/tests/crash-check.sh)

@@ -41,9 +41,9 @@ enum class ReduceOp { SUM, AVG, MAX };
 std::string to_string(ReduceOp op);
 
 // How the MPI backend runs all_gather_into_tensor, reduce_scatter_tensor and
-// all_reduce of CPU tensors (README, "CPU collectives").
+// all_reduce of CPU tensors (docs/cpu_collectives.md).
 enum class CpuAlgorithm {
-  Auto,      // by size and memory (CpuCollectives), README "CPU collectives"
+  Auto,      // by size and memory (CpuCollectives), docs/cpu_collectives.md
   Mpi,       // Open MPI's collectives
   Ring,      // a ring over point-to-point: N-1 steps with the two neighbours
   Pairwise,  // a direct exchange with every peer; reductions in rank order
@@ -60,7 +60,7 @@ struct CpuCollectives {
   // exchanges with each peer: all-gather input, reduce-scatter output,
   // all-reduce tensor / ranks) from which pairwise runs. The defaults are
   // the crossovers measured with fsdp-bench collectives on 2 cores at np 2
-  // and 4 (README, "CPU collectives").
+  // and 4 (docs/cpu_collectives.md).
   int64_t all_gather_min_bytes = 1 << 20;
   int64_t reduce_scatter_min_bytes = 512 << 10;
   int64_t all_reduce_min_bytes = 8 << 20;
@@ -71,7 +71,7 @@ struct CpuCollectives {
   // for a block in [*_shm_min_bytes, *_shm_max_bytes) -- the rules above
   // outside it -- and at every size when every rank's operand (all-gather
   // output, reduce-scatter input) comes from empty_for_collectives, where
-  // shm copies nothing in. Measured on 2 cores at np 2 and 4 (README).
+  // shm copies nothing in. Measured on 2 cores at np 2 and 4 (docs/benchmarks.md).
   int64_t all_gather_shm_min_bytes = 4 << 10;
   int64_t all_gather_shm_max_bytes = 4 << 20;
   int64_t reduce_scatter_shm_min_bytes = 4 << 10;

@@ -3,6 +3,7 @@
 // Every public function validates its arguments and throws one of these; the
 // message names the argument, what it got and what is accepted. Catch
 // fsdp::Error to catch them all.
+// The rule: docs/architecture.md#typed-errors.
 #pragma once
 
 #include <stdexcept>

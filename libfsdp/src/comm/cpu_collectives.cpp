@@ -1,6 +1,7 @@
 // libfsdp's CPU collective algorithms over MPI point-to-point and the
 // shared-memory arena (cpu_collectives.h); which one runs is decided in
 // cpu_algorithm_choice.cpp.
+// The rule: docs/architecture.md#reduction-order.
 #include "comm/cpu_collectives.h"
 
 #include "comm/cpu_reduce.h"
@@ -23,7 +24,7 @@ namespace {
 // between a pair on one tag.
 constexpr int kTag = 17;
 // Per-peer chunk of the pairwise reduce-scatter: small enough that what was
-// received is still in L2 when it is added (measured: README).
+// received is still in L2 when it is added (measured: docs/benchmarks.md).
 constexpr int64_t kChunkBytes = 256 * 1024;
 
 // Elements per rank and where they start.

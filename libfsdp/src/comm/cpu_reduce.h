@@ -6,6 +6,7 @@
 // a dtype is acc_type(dtype). Loops run on the calling thread only (never on
 // LibTorch's intra-op pool: the comm thread must not take the compute cores)
 // and are compiled with -O3 so they vectorise.
+// The rule: docs/architecture.md#reduction-order.
 #pragma once
 
 #include <c10/core/ScalarType.h>

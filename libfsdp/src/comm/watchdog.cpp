@@ -7,6 +7,7 @@
 // longer than the timeout it prints what is stuck on this rank and aborts
 // the whole job, as NCCL's watchdog and c10d's timeout do. It also polls the
 // transports whose errors arrive asynchronously (NCCL) and aborts on one.
+// The rule: docs/architecture.md#watchdog.
 #include "comm/watchdog.h"
 
 #include "comm/comm_settings.h"

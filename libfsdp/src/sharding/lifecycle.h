@@ -10,6 +10,7 @@
 // StateError naming the unit and both states: a silent skip would hide a
 // desynchronised collective order. A failed pass (an exception the user
 // caught) is reset to Idle wholesale by the root, not through these edges.
+// The rule: docs/architecture.md#lifecycle-states.
 #pragma once
 
 #include "fsdp/errors.h"

@@ -1,4 +1,5 @@
 // ParamGroup: the collectives of one unit's parameters on one mesh.
+// The rule: docs/architecture.md#collective-order.
 #include "sharding/param_group.h"
 
 #include "fsdp/trace.h"

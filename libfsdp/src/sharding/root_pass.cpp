@@ -1,6 +1,7 @@
 // The root context's passes: forward order, reductions issued in reverse
 // forward order, prefetches, the end-of-backward finalisation, and the reset
 // after a pass that threw.
+// The rule: docs/architecture.md#collective-order.
 #include "sharding/root_pass.h"
 
 #include "sharding/registry.h"
