@@ -89,7 +89,7 @@ at::Tensor transposed(int64_t numel) { return at::zeros({2, numel / 2}, opts()).
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_non_contiguous_tensor_is_layout_error) {
+BOOST_AUTO_TEST_CASE(test_non_contiguous_tensor_is_layout_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     BOOST_TEST_CONTEXT("group " << g.name()) {
@@ -128,7 +128,7 @@ BOOST_AUTO_TEST_CASE(test_non_contiguous_tensor_is_layout_error) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_wrong_output_numel_is_shape_error) {
+BOOST_AUTO_TEST_CASE(test_wrong_output_numel_is_shape_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     BOOST_TEST_CONTEXT("group " << g.name()) {
@@ -173,7 +173,7 @@ BOOST_AUTO_TEST_CASE(test_wrong_output_numel_is_shape_error) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_output_dtype_mismatch_is_dtype_error) {
+BOOST_AUTO_TEST_CASE(test_output_dtype_mismatch_is_dtype_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     BOOST_TEST_CONTEXT("group " << g.name()) {
@@ -198,7 +198,7 @@ BOOST_AUTO_TEST_CASE(test_output_dtype_mismatch_is_dtype_error) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_unsupported_dtype_is_dtype_error) {
+BOOST_AUTO_TEST_CASE(test_unsupported_dtype_is_dtype_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     const int n = g.size();
@@ -232,7 +232,7 @@ BOOST_AUTO_TEST_CASE(test_unsupported_dtype_is_dtype_error) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_avg_on_integer_is_dtype_error) {
+BOOST_AUTO_TEST_CASE(test_avg_on_integer_is_dtype_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     const int n = g.size();
@@ -251,7 +251,7 @@ BOOST_AUTO_TEST_CASE(test_avg_on_integer_is_dtype_error) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_broadcast_root_out_of_range) {
+BOOST_AUTO_TEST_CASE(test_broadcast_root_out_of_range) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     // Group ranks, not world ranks: at 4 ranks, 2 is out of range for a pair.
@@ -266,7 +266,7 @@ BOOST_AUTO_TEST_CASE(test_broadcast_root_out_of_range) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_send_recv_bad_peer_or_tag) {
+BOOST_AUTO_TEST_CASE(test_send_recv_bad_peer_or_tag) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     const int peer = (g.rank() + 1) % g.size();
@@ -290,7 +290,7 @@ BOOST_AUTO_TEST_CASE(test_send_recv_bad_peer_or_tag) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_all_to_all_bad_split_sizes) {
+BOOST_AUTO_TEST_CASE(test_all_to_all_bad_split_sizes) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     BOOST_TEST_CONTEXT("group " << g.name()) {
@@ -340,7 +340,7 @@ BOOST_AUTO_TEST_CASE(test_all_to_all_bad_split_sizes) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_undefined_tensor_is_argument_error) {
+BOOST_AUTO_TEST_CASE(test_undefined_tensor_is_argument_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     BOOST_TEST_CONTEXT("group " << g.name()) {
@@ -369,7 +369,7 @@ BOOST_AUTO_TEST_CASE(test_undefined_tensor_is_argument_error) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_rejected_calls_issue_nothing) {
+BOOST_AUTO_TEST_CASE(test_rejected_calls_issue_nothing) {  // [ours]
   const std::vector<ProcessGroupPtr> groups = test_groups();
   fsdp::reset_collective_counters();
   for (const ProcessGroupPtr& group : groups) {
@@ -419,7 +419,7 @@ BOOST_AUTO_TEST_CASE(test_rejected_calls_issue_nothing) {
 // init_device_mesh validates before it communicates, so bad arguments throw on
 // every rank without a collective.
 
-BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_shape) {
+BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_shape) {  // [ours]
   const int64_t n = spmd::world_size();
   const c10::DeviceType type = spmd::device().type();
   const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
@@ -439,7 +439,7 @@ BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_shape) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_dim_names) {
+BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_dim_names) {  // [ours]
   const int64_t n = spmd::world_size();
   const c10::DeviceType type = spmd::device().type();
   const std::vector<std::pair<std::string, std::vector<std::string>>> names = {
@@ -454,7 +454,7 @@ BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_dim_names) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_device_type) {
+BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_device_type) {  // [ours]
   const int64_t n = spmd::world_size();
   for (const std::string device : {"tpu", "", "CPU "}) {
     expect_error<fsdp::MeshError>("init_device_mesh(\"" + device + "\")", "device_type",
@@ -464,7 +464,7 @@ BOOST_AUTO_TEST_CASE(test_init_device_mesh_bad_device_type) {
                                 [&] { fsdp::init_device_mesh(c10::kXLA, {n}); });
 }
 
-BOOST_AUTO_TEST_CASE(test_mesh_unknown_dim_name) {
+BOOST_AUTO_TEST_CASE(test_mesh_unknown_dim_name) {  // [ours]
   const int64_t n = spmd::world_size();
   const auto mesh = fsdp::init_device_mesh(spmd::device().type(), {n, 1}, {"dp", "tp"});
   using fsdp::MeshError;
@@ -479,7 +479,7 @@ BOOST_AUTO_TEST_CASE(test_mesh_unknown_dim_name) {
   expect_error<MeshError>("get_group(\"DP\")", "dim_name", [&] { mesh.get_group("DP"); });
 }
 
-BOOST_AUTO_TEST_CASE(test_mesh_slice_bad_dim_names) {
+BOOST_AUTO_TEST_CASE(test_mesh_slice_bad_dim_names) {  // [ours]
   const int64_t n = spmd::world_size();
   const auto mesh = fsdp::init_device_mesh(spmd::device().type(), {n, 1}, {"dp", "tp"});
   using fsdp::MeshError;
@@ -491,7 +491,7 @@ BOOST_AUTO_TEST_CASE(test_mesh_slice_bad_dim_names) {
                           [&] { mesh[std::vector<std::string>{}]; });
 }
 
-BOOST_AUTO_TEST_CASE(test_reduce_op_outside_enum_is_argument_error) {
+BOOST_AUTO_TEST_CASE(test_reduce_op_outside_enum_is_argument_error) {  // [ours]
   for (const ProcessGroupPtr& group : test_groups()) {
     ProcessGroup& g = *group;
     const int n = g.size();
@@ -510,7 +510,7 @@ BOOST_AUTO_TEST_CASE(test_reduce_op_outside_enum_is_argument_error) {
 // Work::wait(timeout): a rank that is late makes the others' bounded wait
 // throw TimeoutError naming the collective; the collective is still in
 // flight and completes, with the right value, once the late rank joins.
-BOOST_AUTO_TEST_CASE(test_wait_with_timeout) {
+BOOST_AUTO_TEST_CASE(test_wait_with_timeout) {  // [ours]
   ProcessGroup& g = *test_groups().front();
   at::Tensor t = at::full({4}, static_cast<float>(g.rank() + 1), opts());
   if (g.rank() == g.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
@@ -535,7 +535,7 @@ BOOST_AUTO_TEST_CASE(test_wait_with_timeout) {
 // MPI failures reach the caller as CommError with MPI's own words (the
 // communicators return errors instead of aborting the job): a receive into
 // a buffer smaller than the message is MPI_ERR_TRUNCATE.
-BOOST_AUTO_TEST_CASE(test_mpi_failure_is_comm_error,
+BOOST_AUTO_TEST_CASE(test_mpi_failure_is_comm_error,  // [ours]
                      *spmd::needs_device(c10::kCPU, "MPI's truncation error (the MPI backend)")) {
   ProcessGroup& g = *test_groups().front();
   if (g.rank() == 0) {

@@ -222,7 +222,7 @@ void check_all_reduce(CpuAlgorithm a, const ProcessGroupPtr& g, c10::ScalarType 
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(reduce_scatter_every_algorithm_dtype_op_and_size) {
+BOOST_AUTO_TEST_CASE(reduce_scatter_every_algorithm_dtype_op_and_size) {  // [ours]
   KeepSettings keep;
   for (auto a : kOwnAlgorithms) {
     for (const auto& g : groups()) {
@@ -238,7 +238,7 @@ BOOST_AUTO_TEST_CASE(reduce_scatter_every_algorithm_dtype_op_and_size) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {
+BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {  // [ours]
   KeepSettings keep;
   for (auto a : kOwnAlgorithms) {
     for (const auto& g : groups()) {
@@ -252,7 +252,7 @@ BOOST_AUTO_TEST_CASE(all_gather_every_algorithm_dtype_and_size) {
 // Open MPI's path included (it is given MPI_IN_PLACE, since MPI forbids a
 // send buffer inside the receive buffer; Open MPI happens to tolerate this
 // exact overlap, so the case checks results, not the flag).
-BOOST_AUTO_TEST_CASE(all_gather_in_place_every_algorithm) {
+BOOST_AUTO_TEST_CASE(all_gather_in_place_every_algorithm) {  // [ours]
   KeepSettings keep;
   for (auto a : {CpuAlgorithm::Mpi, CpuAlgorithm::Ring, CpuAlgorithm::Pairwise, CpuAlgorithm::Shm}) {
     for (const auto& g : groups()) {
@@ -263,7 +263,7 @@ BOOST_AUTO_TEST_CASE(all_gather_in_place_every_algorithm) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(all_gather_input_overlapping_output_elsewhere_is_refused) {
+BOOST_AUTO_TEST_CASE(all_gather_input_overlapping_output_elsewhere_is_refused) {  // [ours]
   const ProcessGroupPtr g = fsdp::world_group();
   const int n = g->size();
   at::Tensor out = at::zeros({4 * n}, at::kFloat);
@@ -281,7 +281,7 @@ BOOST_AUTO_TEST_CASE(all_gather_input_overlapping_output_elsewhere_is_refused) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(all_reduce_every_algorithm_dtype_op_and_uneven_size) {
+BOOST_AUTO_TEST_CASE(all_reduce_every_algorithm_dtype_op_and_uneven_size) {  // [ours]
   KeepSettings keep;
   const int64_t n = spmd::world_size();
   // Fewer elements than ranks (empty blocks), uneven, and past the chunk.
@@ -299,7 +299,7 @@ BOOST_AUTO_TEST_CASE(all_reduce_every_algorithm_dtype_op_and_uneven_size) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(max_propagates_nan) {
+BOOST_AUTO_TEST_CASE(max_propagates_nan) {  // [ours]
   KeepSettings keep;
   for (auto a : kOwnAlgorithms) {
     for (auto t : kFloatTypes) {
@@ -313,7 +313,7 @@ BOOST_AUTO_TEST_CASE(max_propagates_nan) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {
+BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {  // [ours]
   // Several queued on the comm thread at once, waited in reverse: each
   // keeps its own buffers and its own algorithm (chosen at issue).
   KeepSettings keep;
@@ -335,7 +335,7 @@ BOOST_AUTO_TEST_CASE(async_collectives_in_flight_together) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {
+BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {  // [ours]
   // Auto runs Open MPI's below a collective's pairwise threshold, pairwise
   // from it, and -- on a group with a shared-memory arena -- shm inside the
   // collective's shm band or whenever every rank's operand is in shared
@@ -413,7 +413,7 @@ BOOST_AUTO_TEST_CASE(auto_switches_at_each_threshold_and_mpi_stays_available) {
 // must read them where they are. The arena's peak in-use bytes tell: a
 // staged input raises it by the peers' blocks, an input read in place by
 // nothing. The plain-memory case checks that the statistic does see staging.
-BOOST_AUTO_TEST_CASE(shm_reads_shared_memory_inputs_in_place) {
+BOOST_AUTO_TEST_CASE(shm_reads_shared_memory_inputs_in_place) {  // [ours]
   KeepSettings keep;
   use(CpuAlgorithm::Shm);
   const int64_t block = 70001;
@@ -465,7 +465,7 @@ BOOST_AUTO_TEST_CASE(shm_reads_shared_memory_inputs_in_place) {
 // 300 ms late; the others' CPU time over the call (every thread of the
 // process) stays far below that, and the result is still right. Waiting by
 // yielding alone burns the whole 300 ms on an idle core.
-BOOST_AUTO_TEST_CASE(shm_waiters_sleep_while_a_peer_is_late) {
+BOOST_AUTO_TEST_CASE(shm_waiters_sleep_while_a_peer_is_late) {  // [ours]
   KeepSettings keep;
   use(CpuAlgorithm::Shm);
   const auto g = fsdp::world_group();
@@ -499,7 +499,7 @@ BOOST_AUTO_TEST_CASE(shm_waiters_sleep_while_a_peer_is_late) {
 // caps every arena at 1 MiB: rank 0 fills its arena, so it cannot stage
 // while its peers can. Every rank must then fall back to pairwise together
 // (a rank running shm alone would wait for ever), with pairwise's bits.
-BOOST_AUTO_TEST_CASE(shm_falls_back_together_when_one_rank_has_no_room,
+BOOST_AUTO_TEST_CASE(shm_falls_back_together_when_one_rank_has_no_room,  // [ours]
                      *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
                        const char* cap = std::getenv("FSDP_SHM_BYTES");
                        const bool capped = cap != nullptr && std::string(cap) == "1048576";
@@ -546,7 +546,7 @@ BOOST_AUTO_TEST_CASE(shm_falls_back_together_when_one_rank_has_no_room,
   BOOST_TEST(at::equal(small, fold(small_rows, order_of(CpuAlgorithm::Shm, 0, n), ReduceOp::SUM)));
 }
 
-BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {
+BOOST_AUTO_TEST_CASE(bad_settings_are_refused) {  // [ours]
   KeepSettings keep;
   try {
     fsdp::parse_cpu_algorithm("fastest", "FSDP_MPI_ALGO");

@@ -85,7 +85,7 @@ void check_mesh_error(const std::function<void()>& f, const std::string& argumen
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(mesh_1d_4) {
+BOOST_AUTO_TEST_CASE(mesh_1d_4) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   auto mesh = mesh_of({4}, {"shard"});
@@ -103,7 +103,7 @@ BOOST_AUTO_TEST_CASE(mesh_1d_4) {
   BOOST_TEST(mesh.get_group(0)->name() == "ranks[0,1,2,3]");
 }
 
-BOOST_AUTO_TEST_CASE(mesh_2d_2x2) {
+BOOST_AUTO_TEST_CASE(mesh_2d_2x2) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   auto mesh = fsdp::init_device_mesh(device_name(), {2, 2}, {"replicate", "shard"});
@@ -146,7 +146,7 @@ BOOST_AUTO_TEST_CASE(mesh_2d_2x2) {
   BOOST_TEST(mesh.flatten("dp").get_group(0).get() == flat.get_group(0).get());
 }
 
-BOOST_AUTO_TEST_CASE(mesh_2d_1x4) {
+BOOST_AUTO_TEST_CASE(mesh_2d_1x4) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   auto mesh = mesh_of({1, 4}, {"replicate", "shard"});
@@ -157,7 +157,7 @@ BOOST_AUTO_TEST_CASE(mesh_2d_1x4) {
   BOOST_TEST(mesh["replicate"].world_ranks() == std::vector<int>{r}, boost::test_tools::per_element());
 }
 
-BOOST_AUTO_TEST_CASE(mesh_3d_2x1x2) {
+BOOST_AUTO_TEST_CASE(mesh_3d_2x1x2) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   auto mesh = mesh_of({2, 1, 2}, {"pp", "tp", "dp"});
@@ -191,7 +191,7 @@ BOOST_AUTO_TEST_CASE(mesh_3d_2x1x2) {
              "DeviceMesh(" + device_name() + ", shape=(2, 1, 2), names=(pp, tp, dp))");
 }
 
-BOOST_AUTO_TEST_CASE(mesh_default_names_and_cache) {
+BOOST_AUTO_TEST_CASE(mesh_default_names_and_cache) {  // [ours]
   require_world(4);
   auto a = mesh_of({2, 2});
   BOOST_TEST(a.dim_names() == (std::vector<std::string>{"dim0", "dim1"}),
@@ -204,7 +204,7 @@ BOOST_AUTO_TEST_CASE(mesh_default_names_and_cache) {
 
 // unflatten of the world mesh: every shape init_device_mesh accepts at np 4,
 // compared with init_device_mesh of that shape. Members by hand, row-major.
-BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {
+BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   const auto world = mesh_of({4}, {"world"});
@@ -248,7 +248,7 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_world_matches_init) {
 }
 
 // unflatten of one dim of a 2-D and a 3-D mesh, and of a slice.
-BOOST_AUTO_TEST_CASE(mesh_unflatten_inner_dim_and_slice) {
+BOOST_AUTO_TEST_CASE(mesh_unflatten_inner_dim_and_slice) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   const int a = r / 2, b = r % 2;
@@ -286,7 +286,7 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_inner_dim_and_slice) {
 // torchtitan-style views of one world mesh at np 4 (../shared/PARALLELISM.md 6.1):
 // dense (dp_replicate, fsdp, tp) = (1, 2, 2), sparse (efsdp, ep) = (1, 4)
 // with efsdp = fsdp * tp / ep, and the loss view flatten(dp_replicate, fsdp).
-BOOST_AUTO_TEST_CASE(mesh_unflatten_dense_and_sparse_views) {
+BOOST_AUTO_TEST_CASE(mesh_unflatten_dense_and_sparse_views) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   const int a = r / 2, b = r % 2;
@@ -316,7 +316,7 @@ BOOST_AUTO_TEST_CASE(mesh_unflatten_dense_and_sparse_views) {
 // concatenate of slices gives back the source mesh or its slice; the dims
 // come in the given order. Run on rank 0 alone first: were it collective,
 // the other ranks would not join and the watchdog would fire.
-BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
+BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {  // [ours]
   require_world(4);
   const int r = spmd::rank();
   const int a = r / 2, c = r % 2;
@@ -370,7 +370,7 @@ BOOST_AUTO_TEST_CASE(mesh_concatenate_slices) {
   BOOST_TEST((m["pp"] != m["dp"]));
 }
 
-BOOST_AUTO_TEST_CASE(mesh_view_argument_errors) {
+BOOST_AUTO_TEST_CASE(mesh_view_argument_errors) {  // [ours]
   require_world(4);
   const auto m = mesh_of({2, 2}, {"rep", "shard"});
   using fsdp::DeviceMesh;

@@ -47,7 +47,7 @@ struct Sharded {
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(grads_match_single_card) {
+BOOST_AUTO_TEST_CASE(grads_match_single_card) {  // [ours]
   const int ws = spmd::world_size(), rank = spmd::rank();
   toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;
@@ -65,7 +65,7 @@ BOOST_AUTO_TEST_CASE(grads_match_single_card) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {
+BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {  // [ours]
   Sharded s;
   const auto batch =
       toy::slice(on_device(toy::global_batch(3, 8)), spmd::rank(), spmd::world_size());
@@ -86,7 +86,7 @@ BOOST_AUTO_TEST_CASE(steady_state_reuses_unsharded_buffers) {
   BOOST_TEST(storages[1] == storages[2]);
 }
 
-BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,
+BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,  // [ours]
                      *spmd::needs_world_size(1, "runs only on one rank (registered at np 1)")) {
   toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;
@@ -103,7 +103,7 @@ BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,
 // autograd's gradients are installed as they are. The results stay bitwise
 // those of plain LibTorch, through accumulation without sync, a divide
 // factor and the optimizer's zero_grad (which detaches gradients in place).
-BOOST_AUTO_TEST_CASE(world_size_one_computes_on_the_shard_itself,
+BOOST_AUTO_TEST_CASE(world_size_one_computes_on_the_shard_itself,  // [ours]
                      *spmd::needs_world_size(1, "runs only on one rank (registered at np 1)")) {
   toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;
@@ -175,7 +175,7 @@ TORCH_MODULE(TiedLm);
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(tied_weights_live_in_one_unit) {
+BOOST_AUTO_TEST_CASE(tied_weights_live_in_one_unit) {  // [ours]
   const int ws = spmd::world_size(), rank = spmd::rank();
   TiedLm ref = on_device(TiedLm()), model = on_device(TiedLm());
   fsdp::fully_shard(model->mid);
@@ -191,7 +191,7 @@ BOOST_AUTO_TEST_CASE(tied_weights_live_in_one_unit) {
   BOOST_TEST(toy::max_abs_diff(model->embed.grad(), toy::shard_rows(ref->embed.grad(), ws, rank)) < 1e-6);
 }
 
-BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {
+BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {  // [ours]
   // The root shares mid's weight: it would read it while mid's unit has it
   // resharded.
   struct CrossTied : torch::nn::Module {
@@ -211,7 +211,7 @@ BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {
                         });
 }
 
-BOOST_AUTO_TEST_CASE(root_without_own_parameters) {
+BOOST_AUTO_TEST_CASE(root_without_own_parameters) {  // [ours]
   // Every parameter lives in a nested unit: the root still runs the root
   // logic and the step matches single card.
   const int ws = spmd::world_size(), rank = spmd::rank();
@@ -238,7 +238,7 @@ BOOST_AUTO_TEST_CASE(root_without_own_parameters) {
   BOOST_TEST(toy::max_abs_diff(fc0->weight.grad(), toy::shard_rows(ref0->weight.grad(), ws, rank)) < 1e-6);
 }
 
-BOOST_AUTO_TEST_CASE(state_dict_round_trips) {
+BOOST_AUTO_TEST_CASE(state_dict_round_trips) {  // [ours]
   const int ws = spmd::world_size(), rank = spmd::rank();
   toy::Mlp ref = on_device(toy::Mlp(1));
   Sharded s;

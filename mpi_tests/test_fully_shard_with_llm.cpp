@@ -29,7 +29,7 @@ constexpr double kDenseNormTol = 1e-5;
 constexpr double kMinMargin = 1e-5;
 }
 
-BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp,
+BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp,  // L3-01
                      *spmd::needs_world_size(4, "L3-01: HSDP replicate 2 x shard 2; it runs in "
                                                 "test_fully_shard_with_llm_np4")) {
   auto c = ref::make_case("llm_decoder");
@@ -39,7 +39,7 @@ BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp,
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp,
+BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp,  // L3-02
                      *spmd::needs_world_size(2, "L3-02: FSDP 1-D; it runs in "
                                                 "test_fully_shard_with_llm_np2")) {
   auto c = ref::make_case("llm_decoder");
@@ -49,7 +49,7 @@ BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp,
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp,
+BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp,  // L3-03
                      *spmd::needs_world_size(4, "L3-03: replicate 1 x efsdp 2 x ep 2; it runs in "
                                                 "test_fully_shard_with_llm_np4")) {
   auto c = ref::make_case("moe_llm");
@@ -97,7 +97,7 @@ BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp,
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_chunked_ce_fsdp_vs_ddp,
+BOOST_AUTO_TEST_CASE(test_chunked_ce_fsdp_vs_ddp,  // L3-05
                      *spmd::needs_world_size(2, "L3-05: FSDP 1-D; it runs in "
                                                 "test_fully_shard_with_llm_np2")) {
   auto c = ref::make_case("chunked_ce");

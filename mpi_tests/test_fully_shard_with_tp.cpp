@@ -64,20 +64,20 @@ void check_tp_layouts(const std::string& id, const std::vector<ref::RunSpec>& sp
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp2_tp2,
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp2_tp2,  // TP-01
                      *spmd::needs_world_size(4, "dp=2, tp=2; it runs in "
                                                 "test_fully_shard_with_tp_np4")) {
   check_tp_layouts("TP-01 (dp=2, tp=2)", {tp_spec({2}, false, false), tp_spec({2}, true, false),
                                           tp_spec({2}, true, true)});
 }
 
-BOOST_AUTO_TEST_CASE(test_hsdp_tp_replicate2_shard1_tp2,
+BOOST_AUTO_TEST_CASE(test_hsdp_tp_replicate2_shard1_tp2,  // TP-01
                      *spmd::needs_world_size(4, "replicate=2, shard=1, tp=2; it runs in "
                                                 "test_fully_shard_with_tp_np4")) {
   check_tp_layouts("TP-01 HSDP (2x1, tp=2)", {tp_spec({2, 1}, true, false)});
 }
 
-BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp1_tp2,
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_dp1_tp2,  // TP-01
                      *spmd::needs_world_size(2, "dp=1, tp=2; it runs in "
                                                 "test_fully_shard_with_tp_np2")) {
   check_tp_layouts("TP-01 (dp=1, tp=2)", {tp_spec({1}, false, false), tp_spec({1}, true, true)});
@@ -136,7 +136,7 @@ std::map<std::pair<std::string, std::string>, int64_t> step_counts(bool sp, bool
 //      other way round in backward, and the 2L + 1 norm weights' partial
 //      gradients are all-reduced; loss parallel adds 2 all-reduces (the row
 //      max, then the sum of exponentials and target logit together).
-BOOST_AUTO_TEST_CASE(test_tp_fsdp_collective_counts, *spmd::needs_even_world_size("tp = 2")) {
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_collective_counts, *spmd::needs_even_world_size("tp = 2")) {  // [ours]
   const int64_t L = 4, root_params = 2, params = 7 * L + root_params;
   for (bool sp : {false, true}) {
     for (bool lp : {false, true}) {
@@ -200,7 +200,7 @@ int64_t check_same(const Named& got, const Named& want) {
 // dict of the TP model is the plain model's (names, shapes, values); loading
 // another plain model's full tensors and then the saved sharded DTensors
 // round-trips bitwise.
-BOOST_AUTO_TEST_CASE(test_tp_fsdp_state_dicts, *spmd::needs_even_world_size("tp = 2")) {
+BOOST_AUTO_TEST_CASE(test_tp_fsdp_state_dicts, *spmd::needs_even_world_size("tp = 2")) {  // [ours]
   ShardedTP t(/*sp=*/true, /*lp=*/false);
   auto& units = t.units;
   const auto plain = t.c->build();
@@ -239,7 +239,7 @@ BOOST_AUTO_TEST_CASE(test_tp_fsdp_state_dicts, *spmd::needs_even_world_size("tp 
 }
 
 // Shapes that do not split over tp are typed errors naming the argument.
-BOOST_AUTO_TEST_CASE(test_tp_decoder_shape_errors, *spmd::needs_even_world_size("tp = 2")) {
+BOOST_AUTO_TEST_CASE(test_tp_decoder_shape_errors, *spmd::needs_even_world_size("tp = 2")) {  // [ours]
   const auto mesh =
       fsdp::init_device_mesh(spmd::device().type(), {spmd::world_size() / 2, 2}, {"shard", "tp"});
   auto attempt = [&](models::DecoderConfig cfg, bool sp, const std::string& argument) {

@@ -23,7 +23,7 @@ double spread_over_ranks(const at::Tensor& t) {
 }
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,
+BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,  // L3-04
                      *spmd::needs_world_size(2, "L3-04 runs on FSDP 1-D at 2 ranks")) {
   auto c = ref::make_case("vit");
   l1::Report report("L3-04");
@@ -41,7 +41,7 @@ BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,
   report.publish();
 }
 
-BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,
+BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,  // L3-06
                      *spmd::needs_world_size(2, "L3-06 runs on FSDP 1-D at 2 ranks")) {
   auto c = ref::make_case("multimodal");
   l1::Report report("L3-06");

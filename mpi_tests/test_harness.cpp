@@ -15,7 +15,7 @@
 
 namespace utf = boost::unit_test;
 
-BOOST_AUTO_TEST_CASE(every_rank_runs_every_case) {
+BOOST_AUTO_TEST_CASE(every_rank_runs_every_case) {  // [ours]
   // Each rank contributes 1: the sum proves all of them are in this case.
   auto t = at::ones({1}, at::kInt);
   fsdp::world_group()->all_reduce(t);
@@ -24,13 +24,13 @@ BOOST_AUTO_TEST_CASE(every_rank_runs_every_case) {
 }
 
 // Fails on rank 1 only; the harness must fail it on every rank and name rank 1.
-BOOST_AUTO_TEST_CASE(fails_on_rank_1, *utf::disabled()) {
+BOOST_AUTO_TEST_CASE(fails_on_rank_1, *utf::disabled()) {  // [ours]
   if (spmd::rank() == 1) BOOST_ERROR("deliberate failure on rank 1");
 }
 
 // Rank 1 waits in an all_reduce that rank 0 never joins; the watchdog must
 // name the case, the rank and the stuck collective, then abort the job.
-BOOST_AUTO_TEST_CASE(hangs_on_rank_0, *utf::disabled()) {
+BOOST_AUTO_TEST_CASE(hangs_on_rank_0, *utf::disabled()) {  // [ours]
   if (spmd::rank() == 0) {
     std::this_thread::sleep_for(std::chrono::seconds(30));
   } else {
@@ -41,7 +41,7 @@ BOOST_AUTO_TEST_CASE(hangs_on_rank_0, *utf::disabled()) {
 
 // Never runs below 64 ranks: it would fail. test_harness_skip runs it alone
 // and requires the skip in the summary and the reason on stdout.
-BOOST_AUTO_TEST_CASE(skipped_below_64_ranks,
+BOOST_AUTO_TEST_CASE(skipped_below_64_ranks,  // [ours]
                      *spmd::needs_world_size_at_least(64, "the harness's skip check")) {
   BOOST_ERROR("ran although its precondition failed");
 }

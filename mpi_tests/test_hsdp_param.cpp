@@ -80,7 +80,7 @@ void hsdp_vs_single_card(const std::vector<int64_t>& shape, const std::string& i
 }  // namespace
 
 // L1-07
-BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {
+BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {  // L1-07
   const int ws = spmd::world_size(), rank = spmd::rank();
   const std::string id = "L1-07";
   const double tol = 1e-5;
@@ -193,7 +193,7 @@ BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {
 // out-of-range dim are ArgumentErrors naming "shard_placement_fn", and a
 // rejected fully_shard leaves the module as it was (so that it can be
 // sharded again with valid options).
-BOOST_AUTO_TEST_CASE(test_shard_placement_fn_validation) {
+BOOST_AUTO_TEST_CASE(test_shard_placement_fn_validation) {  // [ours]
   const int ws = spmd::world_size();
   DimNet model(18);
   model->to(spmd::device());
@@ -252,13 +252,13 @@ BOOST_AUTO_TEST_CASE(test_shard_placement_fn_validation) {
 }
 
 // HSDP on a (2, 2) mesh: replicate=2, shard=2 (np 4 only).
-BOOST_AUTO_TEST_CASE(test_hsdp_2x2_mesh_vs_single_card,
+BOOST_AUTO_TEST_CASE(test_hsdp_2x2_mesh_vs_single_card,  // existing: mesh=DeviceMesh (HSDP 2-D)
                      *spmd::needs_world_size(4, "a (2, 2) mesh")) {
   hsdp_vs_single_card({2, 2}, "HSDP (2,2)");
 }
 
 // A 2-D mesh with a trivial replicate dim: (1, ws) -- (1, 2) at np 2.
-BOOST_AUTO_TEST_CASE(test_hsdp_1xN_mesh_vs_single_card) {
+BOOST_AUTO_TEST_CASE(test_hsdp_1xN_mesh_vs_single_card) {  // existing: mesh=DeviceMesh (HSDP 2-D, trivial replicate dim)
   const int64_t ws = spmd::world_size();
   hsdp_vs_single_card({1, ws}, "HSDP (1," + std::to_string(ws) + ")");
 }

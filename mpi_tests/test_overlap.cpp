@@ -87,7 +87,7 @@ double max_over_ranks(double t) {
 // Labelled "perf": on a shared 2-core VM its timing margin (~15-20%) is
 // within the noise often enough to fail now and then, so CI's `cpu` run
 // skips it; `ctest -L perf` runs it (see mpi_tests/CMakeLists.txt).
-BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label("perf")) {
+BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label("perf")) {  // [ours]
   auto group = fsdp::world_group();
   auto big = at::ones({32 * 1024 * 1024}, on_device());  // 128 MiB
   const bool computes = spmd::rank() == 0;
@@ -151,7 +151,7 @@ BOOST_AUTO_TEST_CASE(async_all_reduce_overlaps_compute, *boost::unit_test::label
   BOOST_TEST(overlapped < comm_alone + compute_alone);
 }
 
-BOOST_AUTO_TEST_CASE(async_collective_progresses_without_caller) {
+BOOST_AUTO_TEST_CASE(async_collective_progresses_without_caller) {  // [ours]
   auto group = fsdp::world_group();
   auto buf = at::ones({1024}, on_device());
   group->barrier();

@@ -108,7 +108,7 @@ std::string scratch_dir() {
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(test_reference_round_trip) {
+BOOST_AUTO_TEST_CASE(test_reference_round_trip) {  // [ours]
   auto c = ref::make_case("multimodal");
   const std::string dir = scratch_dir();
   const std::string path = ref::reference_path(dir, "cpu", c->name());
@@ -138,7 +138,7 @@ BOOST_AUTO_TEST_CASE(test_reference_round_trip) {
   remove_tree(dir);
 }
 
-BOOST_AUTO_TEST_CASE(test_stale_reference_is_reported) {
+BOOST_AUTO_TEST_CASE(test_stale_reference_is_reported) {  // [ours]
   auto c = ref::make_case("vit");
   const std::string dir = scratch_dir();
   const std::string path = ref::reference_path(dir, "cpu", c->name());
@@ -167,7 +167,7 @@ BOOST_AUTO_TEST_CASE(test_stale_reference_is_reported) {
   remove_tree(dir);
 }
 
-BOOST_AUTO_TEST_CASE(test_committed_references_are_current) {
+BOOST_AUTO_TEST_CASE(test_committed_references_are_current) {  // [ours]
   // Every registered case has a committed reference matching its config.
   for (const auto& name : ref::case_names()) {
     auto c = ref::make_case(name);
@@ -177,7 +177,7 @@ BOOST_AUTO_TEST_CASE(test_committed_references_are_current) {
   BOOST_CHECK_THROW(ref::make_case("no_such_case"), std::invalid_argument);
 }
 
-BOOST_AUTO_TEST_CASE(test_chunked_ce_baselines_run_no_libfsdp_checkpoint) {
+BOOST_AUTO_TEST_CASE(test_chunked_ce_baselines_run_no_libfsdp_checkpoint) {  // [ours]
   // Plan rule 1: the single card and DDP compute the chunks in a plain loop;
   // only the FSDP layout recomputes them through fsdp::checkpoint. Both give
   // the unchunked loss and the same chunk values.

@@ -13,7 +13,7 @@
 
 #include <mpi.h>
 
-BOOST_AUTO_TEST_CASE(runtime_topology) {
+BOOST_AUTO_TEST_CASE(runtime_topology) {  // [ours]
   fsdp::Runtime& rt = spmd::runtime();
   int rank = -1, size = -1, thread_level = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -30,7 +30,7 @@ BOOST_AUTO_TEST_CASE(runtime_topology) {
   BOOST_TEST(fsdp::Runtime::alive());
 }
 
-BOOST_AUTO_TEST_CASE(runtime_threads_and_device) {
+BOOST_AUTO_TEST_CASE(runtime_threads_and_device) {  // [ours]
   fsdp::Runtime& rt = spmd::runtime();
   // The harness asks for one thread per rank (ranks share the cores).
   BOOST_TEST(rt.num_threads() == 1);
@@ -47,7 +47,7 @@ BOOST_AUTO_TEST_CASE(runtime_threads_and_device) {
 
 // The device rules, on the node facts a GPU machine would give (no GPU
 // needed): choice by local rank, per-task binding, a shared GPU refused.
-BOOST_AUTO_TEST_CASE(device_binding_rules) {
+BOOST_AUTO_TEST_CASE(device_binding_rules) {  // [ours]
   using fsdp::detail::DeviceRequest;
   using fsdp::detail::choose_device;
   const c10::Device cpu(c10::kCPU);
@@ -85,7 +85,7 @@ BOOST_AUTO_TEST_CASE(device_binding_rules) {
   BOOST_TEST(shared.find("FSDP_DEVICE=cpu") != std::string::npos, shared);
 }
 
-BOOST_AUTO_TEST_CASE(runtime_reports_blas) {
+BOOST_AUTO_TEST_CASE(runtime_reports_blas) {  // [ours]
   const std::string blas = spmd::runtime().blas_library();
   BOOST_TEST_MESSAGE("BLAS: " << blas);
   BOOST_TEST(blas == fsdp::loaded_blas_library());
@@ -98,7 +98,7 @@ BOOST_AUTO_TEST_CASE(runtime_reports_blas) {
   BOOST_TEST((blas.rfind("MKL in ", 0) == 0) == mkl, "BLAS " << blas << ", at::hasMKL() " << mkl);
 }
 
-BOOST_AUTO_TEST_CASE(second_runtime_is_rejected) {
+BOOST_AUTO_TEST_CASE(second_runtime_is_rejected) {  // [ours]
   int argc = 0;
   char** argv = nullptr;
   BOOST_CHECK_EXCEPTION(fsdp::Runtime(&argc, &argv), fsdp::StateError,

@@ -134,7 +134,7 @@ void check_well_formed(const json& doc, const std::vector<Event>& events) {
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(fsdp_training_trace) {
+BOOST_AUTO_TEST_CASE(fsdp_training_trace) {  // [ours]
   BOOST_TEST_REQUIRE(fsdp::trace::enabled(), "run with FSDP_TRACE=<dir> (CTest sets it)");
   const int ws = spmd::world_size(), rank = spmd::rank();
   {
@@ -202,7 +202,7 @@ BOOST_AUTO_TEST_CASE(fsdp_training_trace) {
 
 // HSDP with a (world, 1) mesh: every rank is a replica, so gradients go
 // through a real all-reduce over the replicate dim.
-BOOST_AUTO_TEST_CASE(hsdp_trace_has_all_reduce) {
+BOOST_AUTO_TEST_CASE(hsdp_trace_has_all_reduce) {  // [ours]
   BOOST_TEST_REQUIRE(fsdp::trace::enabled(), "run with FSDP_TRACE=<dir> (CTest sets it)");
   const int ws = spmd::world_size(), rank = spmd::rank();
   BOOST_TEST_REQUIRE(ws >= 2, "registered at np 2");

@@ -1,9 +1,9 @@
-// Helpers for the precision / placement suites (test_fully_shard_precision,
-// test_hsdp_param): probe modules that record the dtypes their forward sees,
-// a sharded toy model with handles to every unit, per-parameter views of a
-// single-card reference that match a DTensor's placements, the single-card
-// reference runs themselves, and reporting of worst errors (max over ranks)
-// on rank 0.
+// Helpers for the precision / placement suites (the feature files of
+// test_fully_shard_precision, test_fully_shard_with_ac, test_hsdp_param):
+// probe modules that record the dtypes their forward sees, a sharded toy
+// model with handles to every unit, per-parameter views of a single-card
+// reference that match a DTensor's placements, the single-card reference
+// runs themselves, and reporting of worst errors (max over ranks) on rank 0.
 //
 // Baselines here are always single-card runs of an unsharded copy (same
 // seed) -- never another FSDP run (test plan rule 1).
@@ -27,6 +27,7 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -437,6 +438,49 @@ inline int64_t managed_count(const std::vector<Unit>& units) {
   int64_t n = 0;
   for (const auto& u : units) n += static_cast<int64_t>(u.fsdp.sharded_parameters().size());
   return n;
+}
+
+// ---------------------------------------------------------------------------
+// Small shared pieces of the precision suites
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A toy batch moved to the suite's device.
+inline toy::Batch to_device(const toy::Batch& b) {
+  return {b.x.to(spmd::device()), b.y.to(spmd::device())};
+}
+
+// toy::global_batch(seed, rows) on the suite's device.
+inline toy::Batch device_batch(int64_t seed, int64_t rows) {
+  return to_device(toy::global_batch(seed, rows));
+}
+
+// Bytes of one op over every group.
+inline int64_t bytes_of(const fsdp::CollectiveCounters& c, const std::string& op) {
+  int64_t n = 0;
+  for (const auto& [key, b] : c.bytes) {
+    if (key.first == op) n += b;
+  }
+  return n;
+}
+
+// (sum |t|^p over the tensors)^(1/p), or max |t|, in double.
+inline double norm_of(const std::vector<at::Tensor>& ts, double p) {
+  double acc = 0;
+  for (const auto& t : ts) {
+    if (t.numel() == 0) continue;
+    const at::Tensor a = t.detach().to(at::kDouble).abs();
+    acc = std::isinf(p) ? std::max(acc, a.max().item<double>()) : acc + a.pow(p).sum().item<double>();
+  }
+  return std::isinf(p) ? acc : std::pow(acc, 1.0 / p);
+}
+
+// One plain SGD step on every parameter that has a gradient.
+inline void sgd(torch::nn::Module& m, double lr) {
+  at::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) {
+    if (p.grad().defined()) p.sub_(p.grad() * lr);
+  }
 }
 
 }  // namespace prec

@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,8 +55,10 @@ inline Batch slice(const Batch& b, int rank, int parts) {
   return {b.x.narrow(0, rank * per, per), b.y.narrow(0, rank * per, per)};
 }
 
+// Mean squared error; y is moved to out's device first (a no-op when it is
+// there already).
 inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
-  return (out - y).pow(2).mean();
+  return (out - y.to(out.device())).pow(2).mean();
 }
 
 // Rows [offset, offset + len) of the ceil-div shard `index` of `full` on dim 0.
@@ -78,6 +81,13 @@ inline at::Tensor ceil_div_rows(const at::Tensor& t, int64_t dim, int64_t parts,
 inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 && b.numel() == 0) return 0.0;
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// A shape as LibTorch prints it: "[2, 3]".
+inline std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
 }
 
 }  // namespace toy
