@@ -7,6 +7,8 @@
 
 #include "spmd.h"
 
+#include <fsdp/allocator_compat.h>
+
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -30,21 +32,13 @@ namespace spmd {
 // at::empty on the CPU asks for) and removed again by the test; it must
 // outlive every tensor it allocated, so it is never destroyed.
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define FSDP_TEST_ALLOCATE_CONST
-#define FSDP_TEST_HAS_COPY_DATA 1
-#else
-#define FSDP_TEST_ALLOCATE_CONST const
-#define FSDP_TEST_HAS_COPY_DATA 0
-#endif
-
 class TrackingAllocator final : public c10::Allocator {
  public:
   // Some kernels take scratch memory through raw_allocate(), which requires
   // the DataPtr's context to be its data pointer and a raw deleter: so the
   // byte count lives in a header in front of the data, one alignment unit
   // long so that the data keeps c10's alignment.
-  c10::DataPtr allocate(size_t n) FSDP_TEST_ALLOCATE_CONST override {
+  c10::DataPtr allocate(size_t n) FSDP_ALLOCATE_CONST override {
     auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     *reinterpret_cast<size_t*>(base) = n;
     add(static_cast<int64_t>(n));
@@ -52,7 +46,7 @@ class TrackingAllocator final : public c10::Allocator {
     return c10::DataPtr(data, data, &TrackingAllocator::release, c10::Device(c10::kCPU));
   }
   c10::DeleterFnPtr raw_deleter() const override { return &TrackingAllocator::release; }
-#if FSDP_TEST_HAS_COPY_DATA
+#if FSDP_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
