@@ -660,11 +660,7 @@ void add_collectives_command(CLI::App& app, Command& chosen) {
   sub->add_option("-d,--dtype", o->dtype, "Element type")
       ->check(CLI::IsMember(dtype_names))
       ->capture_default_str();
-  sub->add_option("--json", o->json_path,
-                  "Write JSON: '--json' alone prints it to stdout instead of the table; "
-                  "'--json FILE' keeps the table and writes FILE")
-      ->expected(0, 1)
-      ->default_str("-");
+  add_json_option(sub, o->json_path);
   sub->callback([o, &chosen] {
     if (o->min_bytes > o->max_bytes) {
       throw CLI::ValidationError(

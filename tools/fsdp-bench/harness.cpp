@@ -239,6 +239,14 @@ void Report::row(const std::vector<Cell>& cells) {
   std::cout << line << '\n' << std::flush;
 }
 
+void add_json_option(CLI::App* sub, std::string& path) {
+  sub->add_option("--json", path,
+                  "Write JSON: '--json' alone prints it to stdout instead of the table; "
+                  "'--json FILE' keeps the table and writes FILE")
+      ->expected(0, 1)
+      ->default_str("-");
+}
+
 std::string json_path_problem(const std::string& path, MPI_Comm comm) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);

@@ -46,6 +46,10 @@ CLI::Validator size_argument();
 // Collective over `comm`.
 std::string json_path_problem(const std::string& path, MPI_Comm comm);
 
+// `--json [FILE]` on a subcommand, the same for every benchmark: alone, JSON on
+// stdout instead of the table ("-"); with FILE, the table and FILE.
+void add_json_option(CLI::App* sub, std::string& path);
+
 // ---- timing ---------------------------------------------------------------
 struct TimingOptions {
   int warmup = 5;

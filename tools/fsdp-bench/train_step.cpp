@@ -366,11 +366,7 @@ void add_train_command(CLI::App& app, Command& chosen) {
                       "gradients reduced in float32); the other configs stay float32")
       ->check(CLI::IsMember({"float32", "bfloat16"}))
       ->capture_default_str();
-  sub->add_option("--json", o->json_path,
-                  "Write JSON: '--json' alone prints it to stdout instead of the table; "
-                  "'--json FILE' keeps the table and writes FILE")
-      ->expected(0, 1)
-      ->default_str("-");
+  add_json_option(sub, o->json_path);
   sub->callback(
       [o, &chosen] { chosen = [o](const fsdp::Runtime& rt) { return train::run(*o, rt); }; });
 }
