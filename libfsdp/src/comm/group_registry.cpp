@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <utility>
 
 namespace fsdp::detail {
 namespace {
@@ -21,7 +22,8 @@ struct Registry {
   std::mutex mu;
   MPI_Comm world = MPI_COMM_NULL;
   std::map<std::vector<int>, std::shared_ptr<ProcessGroupImpl>> groups;
-  std::map<std::vector<int>, std::shared_ptr<ProcessGroupImpl>> reduction_groups;
+  // Second communicators over a group's ranks, by purpose and members.
+  std::map<std::pair<SideGroup, std::vector<int>>, std::shared_ptr<ProcessGroupImpl>> side_groups;
 };
 
 Registry& registry() {
@@ -44,8 +46,8 @@ void init_group_registry() {
 void shutdown_group_registry() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  for (auto& [members, group] : r.reduction_groups) group->shutdown();
-  r.reduction_groups.clear();
+  for (auto& [key, group] : r.side_groups) group->shutdown();
+  r.side_groups.clear();
   for (auto& [members, group] : r.groups) group->shutdown();
   r.groups.clear();
   if (r.world != MPI_COMM_NULL) MPI_Comm_free(&r.world);
@@ -94,25 +96,31 @@ ProcessGroupPtr group_for(const std::vector<int>& members) {
   return group;
 }
 
-ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group) {
+ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose) {
   auto* impl = dynamic_cast<ProcessGroupImpl*>(group.get());
-  if (impl == nullptr) throw StateError("reduction_group_for: not a libfsdp process group");
+  if (impl == nullptr) throw StateError("side_group_for: not a libfsdp process group");
   Registry& r = registry();
+  const auto key = std::make_pair(purpose, group->world_ranks());
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    auto it = r.reduction_groups.find(group->world_ranks());
-    if (it != r.reduction_groups.end()) return it->second;
+    auto it = r.side_groups.find(key);
+    if (it != r.side_groups.end()) return it->second;
   }
-  // Every member reaches this point for the same group in the same order
-  // (fully_shard is SPMD), and no member has it cached unless all have.
+  // Every member reaches this point for the same group and purpose in the
+  // same order (its callers are SPMD), and no member has it cached unless
+  // all have.
   MPI_Comm comm = impl->duplicate_communicator();
   // Its thread waits by polling: a second comm thread spinning inside MPI
   // beside the all-gathers' would take the compute threads' cores.
   auto dup = std::make_shared<ProcessGroupImpl>(comm, group->world_ranks(), group->name(),
                                                 /*poll=*/true);
   std::lock_guard<std::mutex> lock(r.mu);
-  r.reduction_groups.emplace(group->world_ranks(), dup);
+  r.side_groups.emplace(key, dup);
   return dup;
+}
+
+ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group) {
+  return side_group_for(group, SideGroup::Reduction);
 }
 
 ProcessGroupPtr find_group(const std::vector<int>& members) {

@@ -28,6 +28,15 @@ ProcessGroupPtr find_group(const std::vector<int>& members);
 // `group` (counters and traces report them together). Cached; the first call
 // is collective over the group's members.
 ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group);
+// What a second communicator over a group's ranks is for. Reduction: above.
+// Checkpoint: distributed-checkpoint saves agree and publish on it from a
+// background thread (an asynchronous save) while training's collectives run
+// on the groups above.
+enum class SideGroup { Reduction, Checkpoint };
+// The second group of `purpose` over `group`'s ranks, with its own
+// communicator and comm thread. Cached; the first call is collective over
+// the group's members.
+ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose);
 void init_group_registry();
 void shutdown_group_registry();
 
