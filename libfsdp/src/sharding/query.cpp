@@ -74,4 +74,24 @@ std::unordered_map<const c10::TensorImpl*, ManagedGrad> managed_grads() {
   return out;
 }
 
+std::unordered_map<const c10::TensorImpl*, ManagedShard> managed_shards() {
+  std::unordered_map<const c10::TensorImpl*, ManagedShard> out;
+  const auto units = live_units();
+  for (const auto& unit : units) unit->finish_reductions();
+  for (const auto& unit : units) {
+    for (auto& g : unit->groups) {
+      for (auto& p : g.params()) {
+        ManagedShard m;
+        m.name = p.name();
+        m.shard = p.dtensor();
+        m.unsharded = g.unsharded();
+        ShardedParam* param = &p;
+        m.load = [unit, param](const at::Tensor& values) { param->load_local(values); };
+        out[p.param().unsafeGetTensorImpl()] = std::move(m);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace fsdp::detail

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -67,6 +68,20 @@ struct ManagedGrad {
 // Finishes every reduction still in flight (set_is_last_backward(false)),
 // then describes every managed parameter, by TensorImpl.
 std::unordered_map<const c10::TensorImpl*, ManagedGrad> managed_grads();
+
+// Distributed checkpoints: a managed parameter's shard and how to overwrite
+// it. `unsharded`: its unit holds full parameters right now, so the shard
+// may be stale against what the module computes with (callers refuse).
+struct ManagedShard {
+  std::string name;
+  DTensor shard;  // local = the sharded values, original dtype
+  bool unsharded = false;
+  // Copies values of the local shape into the shard (as load_state_dict).
+  std::function<void(const at::Tensor&)> load;
+};
+// Every managed parameter of every live unit, by the module parameter's
+// TensorImpl (the optimizer's key). Finishes reductions still in flight.
+std::unordered_map<const c10::TensorImpl*, ManagedShard> managed_shards();
 
 }  // namespace detail
 }  // namespace fsdp

@@ -1,0 +1,54 @@
+// index.json: what a checkpoint holds and where (docs/distributed_checkpoint.md
+// has the format). Written last by rank 0, read first by every loader; its
+// own FNV-1a 64 checksum covers everything else in it.
+#pragma once
+
+#include "fsdp/distributed_checkpoint.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fsdp::dcp::detail {
+
+inline constexpr const char* kFormatName = "libfsdp-distributed-checkpoint";
+inline constexpr const char* kIndexFile = "index.json";
+inline constexpr const char* kGlobalFile = "global.h5";
+
+struct IndexTensor {
+  std::string name, kind;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  std::vector<Reader::Chunk> chunks;
+};
+
+struct Index {
+  int version = kFormatVersion;
+  int64_t step = 0;
+  int world_size = 0;
+  std::string created;  // UTC, ISO 8601
+  std::string libfsdp_version;
+  std::map<std::string, IndexTensor> tensors;
+  std::map<std::string, Value> values;                    // global non-tensor values
+  std::map<std::string, std::vector<Value>> rank_values;  // rank-local ones, by rank
+  std::map<std::string, nlohmann::json> optimizers;       // prefix -> type, module, groups
+  std::map<std::string, int64_t> files;                   // rank file -> bytes
+};
+
+// FNV-1a 64 over bytes, continuing from `h`.
+uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ULL);
+
+std::string index_text(const Index& index);  // with its checksum
+// Verifies format, version and checksum; CheckpointError (Format, Corrupt)
+// naming `shown_as` otherwise.
+Index parse_index(const std::string& text, const std::string& shown_as);
+// Reads and parses <dir>/index.json (NotFound if absent).
+Index read_index(const std::string& dir);
+
+nlohmann::json value_json(const Value& v);
+Value value_from_json(const nlohmann::json& j, const std::string& name, const std::string& file);
+
+}  // namespace fsdp::dcp::detail

@@ -1,0 +1,255 @@
+// Loading: choose the checkpoint, check it against the state, read this
+// rank's byte ranges into host buffers, agree, install -- and on damage fall
+// back to the next older checkpoint (distributed_checkpoint.h).
+#include "fsdp/distributed_checkpoint.h"
+
+#include "base/shape_str.h"
+#include "checkpoint/exchange.h"
+#include "checkpoint/files.h"
+#include "checkpoint/h5io.h"
+#include "checkpoint/index.h"
+#include "checkpoint/items.h"
+#include "checkpoint/layout.h"
+#include "comm/group_registry.h"
+
+#include <ATen/ops/empty.h>
+
+#include <chrono>
+#include <map>
+#include <sstream>
+
+namespace fsdp::dcp {
+namespace detail {
+namespace {
+
+using Kind = CheckpointError::Kind;
+using Clock = std::chrono::steady_clock;
+
+// The checkpoint's tensors against the state's: every failure here is a
+// mismatch (no fallback), named with both sides.
+void check_against(const State& state, const Index& index, const std::vector<Item>& items,
+                   const std::string& shown) {
+  for (const auto& o : state.optimizers()) {
+    auto it = index.optimizers.find(o.prefix);
+    const std::string type = optimizer_type(*o.optimizer);
+    if (it == index.optimizers.end()) {
+      throw CheckpointError(Kind::MissingTensor, o.prefix, shown,
+                            shown + " has no optimizer '" + o.prefix + "' (it has " +
+                                std::to_string(index.optimizers.size()) + " optimizer(s))");
+    }
+    const std::string saved = it->second.value("type", "");
+    if (saved != type) {
+      throw CheckpointError(Kind::OptimizerMismatch, o.prefix, shown,
+                            shown + ": optimizer '" + o.prefix + "' was saved as " + saved +
+                                "; the state's is " + type);
+    }
+  }
+  size_t module_items = 0, found = 0;
+  std::string first_missing;
+  for (const auto& it : items) {
+    if (it.kind != "param" && it.kind != "buffer") continue;
+    ++module_items;
+    if (index.tensors.count(it.name)) {
+      ++found;
+    } else if (first_missing.empty()) {
+      first_missing = it.name;
+    }
+  }
+  if (module_items > 0 && found == 0) {
+    throw CheckpointError(Kind::OtherModel, first_missing, shown,
+                          shown + " is a checkpoint of another model: it has none of the " +
+                              std::to_string(module_items) + " tensors of this rank's modules (e.g. '" +
+                              first_missing + "')");
+  }
+  for (const auto& it : items) {
+    auto t = index.tensors.find(it.name);
+    if (t == index.tensors.end()) {
+      throw CheckpointError(Kind::MissingTensor, it.name, shown,
+                            shown + " has no tensor '" + it.name + "'");
+    }
+    if (t->second.dtype != it.dtype) {
+      throw CheckpointError(Kind::DtypeMismatch, it.name, shown,
+                            shown + ": '" + it.name + "' is " +
+                                dtype_name(t->second.dtype, it.name) + " in the checkpoint and " +
+                                dtype_name(it.dtype, it.name) + " in the state");
+    }
+    if (t->second.shape != it.shape) {
+      throw CheckpointError(Kind::ShapeMismatch, it.name, shown,
+                            shown + ": '" + it.name + "' has global shape " +
+                                shape_str(t->second.shape) + " in the checkpoint and " +
+                                shape_str(it.shape) + " in the state");
+    }
+  }
+  for (const auto& [name, e] : state.entries()) {
+    if (e.rank_local) continue;
+    const bool tensor = std::holds_alternative<at::Tensor>(e.value);
+    if (tensor ? index.tensors.count(name) == 0 : index.values.count(name) == 0) {
+      throw CheckpointError(Kind::MissingTensor, name, shown,
+                            shown + " has no value '" + name + "'");
+    }
+  }
+}
+
+// Every rank file the index lists, present and of the size written.
+void check_files(const Index& index, const std::string& dir, const std::string& shown) {
+  for (const auto& [file, bytes] : index.files) {
+    const int64_t size = file_size(dir + "/" + file);
+    if (size < 0) {
+      throw CheckpointError(Kind::Incomplete, "", file,
+                            shown + ": rank file " + file + " is missing");
+    }
+    if (size != bytes) {
+      throw CheckpointError(Kind::Corrupt, "", file,
+                            shown + ": rank file " + file + " has " + std::to_string(size) +
+                                " bytes; " + std::to_string(bytes) + " were written" +
+                                (size < bytes ? " (truncated)" : ""));
+    }
+  }
+}
+
+struct Loaded {
+  std::vector<Item> items;
+  std::vector<at::Tensor> staging;
+  Index index;
+  LoadReport report;
+};
+
+// Reads this rank's boxes of every item into host buffers.
+void read_items(Loaded& l, const std::string& dir) {
+  std::map<std::string, Handle> files;
+  auto file = [&](const std::string& name) -> hid_t {
+    auto it = files.find(name);
+    if (it == files.end()) it = files.emplace(name, open_file(dir + "/" + name, name)).first;
+    return it->second.get();
+  };
+  for (const auto& item : l.items) {
+    const IndexTensor& t = l.index.tensors.at(item.name);
+    at::Tensor staging = at::empty(item.local.sizes(), at::TensorOptions().dtype(item.dtype));
+    bool resharded = false;
+    for (const auto& lb : item.boxes) {
+      int64_t covered = 0;
+      for (const auto& c : t.chunks) {
+        const Box stored{c.offsets, c.sizes};
+        const Box part = intersect(lb.global, stored);
+        if (empty(part) && !part.sizes.empty()) continue;
+        if (!(part == lb.global) || !(stored == lb.global)) resharded = true;
+        at::Tensor buf = at::empty(part.sizes, at::TensorOptions().dtype(item.dtype));
+        read_piece(file(c.file), c.dataset, stored, part, buf, item.name, c.file);
+        region(staging, lb, part).copy_(buf);
+        covered += part.numel();
+        l.report.bytes_read += part.numel() * static_cast<int64_t>(buf.element_size());
+      }
+      if (covered != lb.global.numel()) {
+        throw CheckpointError(Kind::Incomplete, item.name, "",
+                              "the checkpoint's pieces of '" + item.name + "' cover " +
+                                  std::to_string(covered) + " of the " +
+                                  std::to_string(lb.global.numel()) + " elements of " +
+                                  box_str(lb.global) + " this rank needs");
+      }
+    }
+    if (resharded) {
+      std::ostringstream line;
+      line << item.name << " " << shape_str(item.shape) << ": saved as " << t.chunks.size()
+           << " piece(s), read as " << item.boxes.size() << " piece(s) (" << item.layout << ")";
+      l.report.resharded.push_back(line.str());
+    }
+    l.staging.push_back(staging);
+  }
+}
+
+void install(State& state, Loaded& l, int rank) {
+  clear_optimizer_state(state);
+  for (size_t i = 0; i < l.items.size(); ++i) {
+    if (l.items[i].install) l.items[i].install(l.staging[i]);
+  }
+  auto& entries = state.mutable_entries();
+  for (const auto& [name, v] : l.index.values) entries[name] = State::Entry{v, false};
+  const bool same_world = l.index.world_size == world_group()->size();
+  for (const auto& [name, per_rank] : l.index.rank_values) {
+    if (same_world && rank < static_cast<int>(per_rank.size())) {
+      entries[name] = State::Entry{per_rank[static_cast<size_t>(rank)], true};
+    } else {
+      l.report.rank_local_dropped.push_back(name);
+    }
+  }
+  if (!same_world) {
+    for (const auto& [name, t] : l.index.tensors) {
+      if (t.kind == "rank_local" && name.rfind("__rank0/", 0) == 0) {
+        l.report.rank_local_dropped.push_back(name.substr(8));
+      }
+    }
+  }
+}
+
+LoadReport load_one(const std::string& dir, State& state, const ProcessGroupPtr& group) {
+  const auto start = Clock::now();
+  const int rank = group->rank();
+  Loaded l;
+  std::exception_ptr error;
+  try {
+    l.index = read_index(dir);
+    check_files(l.index, dir, dir);
+    const bool same_world = l.index.world_size == group->size();
+    l.items = items_for_load(state, l.index, dir, rank, same_world);
+    check_against(state, l.index, l.items, dir);
+    read_items(l, dir);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  agree(group, error);  // nothing is installed unless every rank read all it needs
+  install(state, l, rank);
+  l.report.path = dir;
+  l.report.step = l.index.step;
+  l.report.saved_world_size = l.index.world_size;
+  l.report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return l.report;
+}
+
+bool is_damage(CheckpointError::Kind k) {
+  return k == Kind::Corrupt || k == Kind::Incomplete || k == Kind::NotFound;
+}
+
+}  // namespace
+}  // namespace detail
+
+LoadReport load(const std::string& dir, State& state, const LoadOptions& options) {
+  using namespace detail;
+  const ProcessGroupPtr group =
+      fsdp::detail::side_group_for(world_group(), fsdp::detail::SideGroup::Checkpoint);
+  // Rank 0 decides the candidates, so every rank tries the same ones.
+  std::string listed;
+  if (group->rank() == 0) {
+    if (exists(dir + "/" + kIndexFile)) {
+      listed = dir + "\n";
+    } else {
+      for (const auto& c : list_checkpoints(dir)) {
+        if (!options.step || step_of(c.substr(c.rfind('/') + 1)) == *options.step) listed += c + "\n";
+      }
+    }
+  }
+  listed = broadcast_text(group, listed, 0);
+  std::vector<std::string> candidates;
+  std::istringstream lines(listed);
+  for (std::string line; std::getline(lines, line);) candidates.push_back(line);
+  if (candidates.empty()) {
+    throw CheckpointError(CheckpointError::Kind::NotFound, "", dir,
+                          "no complete checkpoint" +
+                              (options.step ? " of step " + std::to_string(*options.step) : "") +
+                              " under " + dir);
+  }
+  std::string notes;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    try {
+      LoadReport r = load_one(candidates[i], state, group);
+      r.fallback_note = notes;
+      return r;
+    } catch (const CheckpointError& e) {
+      if (!options.fallback || !is_damage(e.kind()) || i + 1 == candidates.size()) throw;
+      notes += (notes.empty() ? "" : "; ") + std::string("skipped ") + candidates[i] + ": " +
+               e.what();
+    }
+  }
+  throw CheckpointError(CheckpointError::Kind::NotFound, "", dir, "no checkpoint loaded");
+}
+
+}  // namespace fsdp::dcp
