@@ -32,7 +32,8 @@ BOOST_AUTO_TEST_CASE(test_dcp_roundtrip_into_plain) {
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
   auto b = toy::global_batch(3, 8);
   auto mine = toy::slice(b, spmd::rank(), spmd::world_size());
-  auto loss = toy::mse(net->forward(mine.x), mine.y);
+  fsdp::Sharded<toy::Mlp> sharded(net);
+  auto loss = toy::mse(sharded(mine.x), mine.y);
   loss.backward();
   opt.step();
   std::vector<std::pair<std::string, at::Tensor>> full;
