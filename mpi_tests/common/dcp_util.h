@@ -278,7 +278,8 @@ inline std::map<std::string, at::Tensor> global_tensors(Built& b) {
     if (!l) return local.detach().to(at::kCPU).clone();
     return fsdp::DTensor::from_local(local.detach(), l->device_mesh(), l->placements(), l->shape())
         .full_tensor()
-        .to(at::kCPU);
+        .to(at::kCPU)
+        .clone();  // on one rank full_tensor() is the live local tensor
   };
   for (const auto& p : b.net->named_parameters()) {
     const auto& l = layouts.at(p.key());
@@ -294,7 +295,7 @@ inline std::map<std::string, at::Tensor> global_tensors(Built& b) {
   for (const auto& buf : b.net->named_buffers()) {
     out["model/" + buf.key()] = buf.value().to(at::kCPU).clone();
   }
-  out["table"] = b.table.full_tensor().to(at::kCPU);
+  out["table"] = b.table.full_tensor().to(at::kCPU).clone();
   return out;
 }
 
