@@ -22,15 +22,20 @@ namespace {
 namespace fs = std::filesystem;
 using Info = fsdp::dcp::Reader::TensorInfo;
 
+// The checkpoint's absolute path (the files' "source").
+std::string source_of(const fsdp::dcp::Reader& reader) {
+  std::error_code ec;
+  const fs::path p = fs::absolute(reader.path(), ec);
+  return ec ? reader.path() : p.lexically_normal().string();
+}
+
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// `name` is `prefix` or under it (whole components).
+// `name` starts with `prefix` (plain text: "model/fc1" takes model/fc1.weight).
 bool under(const std::string& name, const std::string& prefix) {
-  if (prefix.empty() || name == prefix) return true;
-  if (name.compare(0, prefix.size(), prefix) != 0) return false;
-  return prefix.back() == '/' || (name.size() > prefix.size() && name[prefix.size()] == '/');
+  return name.compare(0, prefix.size(), prefix) == 0;
 }
 
 // The tensors to export, in the index's (name) order.
@@ -47,7 +52,7 @@ std::vector<const Info*> selected(const fsdp::dcp::Reader& reader, const ExportA
   }
   for (size_t i = 0; i < args.only.size(); ++i) {
     if (!used[i]) {
-      throw UsageError(fmt::format("--only {}: no tensor of {} is under this prefix{}", args.only[i],
+      throw UsageError(fmt::format("--only {}: no tensor name of {} starts with it{}", args.only[i],
                                    reader.path(),
                                    args.include_rank_local ? "" : " (rank-local ones skipped)"));
     }
@@ -101,7 +106,7 @@ void export_h5(const fsdp::dcp::Reader& reader, const std::vector<const Info*>& 
   H5::Exception::dontPrint();
   H5::H5File file(path, H5F_ACC_TRUNC);
   h5util::write_int_attr(file, "step", reader.step());
-  h5util::write_string_attr(file, "source", reader.path(), h5util::EmptyString::Space);
+  h5util::write_string_attr(file, "source", source_of(reader), h5util::EmptyString::Space);
   for (const Info* t : tensors) {
     std::string leaf;
     H5::Group g = parent_group(file, t->name, leaf);
@@ -148,7 +153,7 @@ const char* st_dtype(at::ScalarType t) {
 void export_safetensors(const fsdp::dcp::Reader& reader, const std::vector<const Info*>& tensors,
                         const std::string& path) {
   nlohmann::ordered_json header;
-  header["__metadata__"] = {{"step", std::to_string(reader.step())}, {"source", reader.path()}};
+  header["__metadata__"] = {{"step", std::to_string(reader.step())}, {"source", source_of(reader)}};
   int64_t offset = 0;
   for (const Info* t : tensors) {
     const int64_t bytes = tensor_bytes(*t);

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 
 namespace {
@@ -67,8 +68,8 @@ int run(int argc, char** argv) {
                                  "(replaced if it exists)")
       ->required();
   exp->add_option("--only", ex.only,
-                  "export only tensors under this name prefix (whole '/'-separated "
-                  "components: 'model' takes model/..., not model2/...); repeatable");
+                  "export only the tensors whose names start with this text (plain prefix: "
+                  "'model/fc1' takes model/fc1.weight and model/fc1.bias); repeatable");
   exp->add_flag("--include-rank-local", ex.include_rank_local,
                 "also export the rank-local tensors (__rank<R>/...), skipped by default");
 
@@ -80,12 +81,22 @@ int run(int argc, char** argv) {
               "(NaN equal to NaN). Default atol 0, rtol 0: bitwise");
   diff->add_option("dirA", df.a, "checkpoint or root")->required();
   diff->add_option("dirB", df.b, "checkpoint or root")->required();
+  const CLI::Validator tolerance(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || *end != '\0' || !std::isfinite(v) || v < 0) {
+          return text + ": must be a finite number >= 0";
+        }
+        return "";
+      },
+      "TOL >= 0");
   diff->add_option("--atol", df.atol, "absolute tolerance (>= 0)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(tolerance);
   diff->add_option("--rtol", df.rtol, "relative tolerance (>= 0)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(tolerance);
 
   try {
     app.parse(argc, argv);

@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
     loss.backward();
     opt.step();
 
-    const at::Tensor probe = (at::arange(6, at::kFloat).reshape({2, 3}) / 7 + step)
+    const at::Tensor probe = (at::arange(6, at::kFloat).reshape({2, 3}) / 7 + 0.25 * step)
                                  .to(at::kBFloat16);
     const at::Tensor rng = at::arange(2, at::kLong) + 100 * rank + step;
     fsdp::dcp::State state;
