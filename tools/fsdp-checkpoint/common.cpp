@@ -56,10 +56,20 @@ fsdp::dcp::Reader open_reader(const std::string& dir, const std::string& argumen
   }
 }
 
+at::Tensor read_box(const fsdp::dcp::Reader& reader, const std::string& name,
+                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
+  try {
+    return reader.read(name, offsets, sizes);
+  } catch (const fsdp::dcp::CheckpointError& e) {
+    throw DamagedError(fmt::format("{}: {}: {}", reader.path(), fsdp::dcp::to_string(e.kind()),
+                                   e.what()));
+  }
+}
+
 void for_each_block(const fsdp::dcp::Reader& reader, const fsdp::dcp::Reader::TensorInfo& t,
                     int64_t max_bytes, const std::function<void(const at::Tensor&, int64_t)>& fn) {
   if (t.shape.empty() || t.shape[0] == 0) {
-    fn(reader.read(t.name), 0);
+    fn(read_box(reader, t.name, std::vector<int64_t>(t.shape.size(), 0), t.shape), 0);
     return;
   }
   const int64_t row_bytes =
@@ -69,7 +79,7 @@ void for_each_block(const fsdp::dcp::Reader& reader, const fsdp::dcp::Reader::Te
   for (int64_t r = 0; r < t.shape[0]; r += rows) {
     offsets[0] = r;
     sizes[0] = std::min(rows, t.shape[0] - r);
-    fn(reader.read(t.name, offsets, sizes), r);
+    fn(read_box(reader, t.name, offsets, sizes), r);
   }
 }
 

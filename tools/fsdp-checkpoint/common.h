@@ -25,6 +25,18 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A piece that failed to read (CheckpointError while reading data):
+// printed as "fsdp-checkpoint: error: <checkpoint>: <kind>: <what>", exit 3.
+struct DamagedError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Reader::read of the box [offsets, offsets + sizes) of `name` (the whole
+// tensor when both are empty); a CheckpointError becomes DamagedError
+// naming the checkpoint.
+at::Tensor read_box(const fsdp::dcp::Reader& reader, const std::string& name,
+                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes);
+
 // "[7, 5]" ("[]" for 0-d).
 std::string shape_str(const std::vector<int64_t>& shape);
 // "float32", "bfloat16", ... (the index's names).

@@ -27,14 +27,9 @@ Compared compare(const fsdp::dcp::Reader& ra, const fsdp::dcp::Reader& rb, const
   Compared c;
   // Half the block size each: two blocks in memory at once.
   for_each_block(ra, ta, kBlockBytes / 2, [&](const at::Tensor& a, int64_t row) {
-    at::Tensor b;
-    if (ta.shape.empty() || ta.shape[0] == 0) {
-      b = rb.read(ta.name);
-    } else {
-      std::vector<int64_t> offsets(ta.shape.size(), 0);
-      offsets[0] = row;
-      b = rb.read(ta.name, offsets, a.sizes().vec());
-    }
+    std::vector<int64_t> offsets(ta.shape.size(), 0);
+    if (!offsets.empty()) offsets[0] = row;
+    const at::Tensor b = read_box(rb, ta.name, offsets, a.sizes().vec());
     const at::Tensor ac = a.contiguous(), bc = b.contiguous();
     if (std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.nbytes()) == 0) return;
     // Bitwise comparison per element through same-sized integers.

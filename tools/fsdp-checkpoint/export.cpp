@@ -114,7 +114,10 @@ void export_h5(const fsdp::dcp::Reader& reader, const std::vector<const Info*>& 
     const at::ScalarType out_dtype = h5_export_dtype(t->dtype);
     const std::vector<hsize_t> dims(t->shape.begin(), t->shape.end());
     if (numel(t->shape) == 0 || t->shape.empty()) {  // scalar or empty: one write
-      at::Tensor v = reader.read(t->name).to(out_dtype).contiguous();
+      at::Tensor v =
+          read_box(reader, t->name, std::vector<int64_t>(t->shape.size(), 0), t->shape)
+              .to(out_dtype)
+              .contiguous();
       h5util::write_dataset(g, leaf, type, dims, v.data_ptr(), type);
       continue;
     }

@@ -44,25 +44,33 @@ int run(int argc, char** argv) {
 
   std::string dir;
   bool json = false;
-  auto* inspect = app.add_subcommand(
-      "inspect", "what a checkpoint holds: step, world size, format, optimizers, values and a "
-                 "table of tensors (name, kind, dtype, global shape, pieces, bytes) with totals");
+  auto* inspect = app.add_subcommand("inspect", "what a checkpoint holds");
+  inspect->footer(
+      "Prints the path, step, world size that saved it, format version, creation time, the "
+      "optimizers (type, each group's options), the values (int64, double, string; rank-local "
+      "ones per rank) and a table of tensors: name, kind, dtype, global shape, pieces, bytes, "
+      "with totals.");
   inspect->add_option("dir", dir, "checkpoint or root")->required();
   inspect->add_flag("--json", json, "print the same as one JSON object");
 
-  auto* verify = app.add_subcommand(
-      "verify", "read every piece of every tensor and check it (HDF5 Fletcher-32 checksums, "
-                "file sizes, coverage); prints 'OK <path>: ...' or one line per problem");
+  auto* verify = app.add_subcommand("verify", "read and check every piece of every tensor");
+  verify->footer(
+      "Checks the index's checksum, the rank files' sizes, that the pieces tile each tensor, "
+      "and reads every piece (HDF5 Fletcher-32 checksums). Prints 'OK <path>: N tensors, B "
+      "bytes verified' (exit 0), or one line per problem and 'FAILED <path>: K problems' "
+      "(exit 1). Not a checkpoint: exit 2.");
   verify->add_option("dir", dir, "checkpoint or root")->required();
 
   ExportArgs ex;
-  auto* exp = app.add_subcommand(
-      "export",
-      "write the full (unsharded) tensors to one file, reading one tensor at a time. "
-      ".h5/.hdf5: one dataset per tensor at its name ('/' makes groups; 0-d tensors are scalar "
-      "datasets; bfloat16 and float16 are written as float32, bool as uint8), root attributes "
-      "'step' and 'source'. .safetensors: the safetensors format (dtypes F32 F64 F16 BF16 I64 "
-      "I32 I16 I8 U8 BOOL, exact bits), __metadata__ {step, source}");
+  auto* exp = app.add_subcommand("export", "write the full tensors to one .h5 or .safetensors file");
+  exp->footer(
+      "Reads one tensor (at most 64 MiB of rows) at a time. .h5/.hdf5: one dataset per tensor "
+      "at its name ('/' makes groups; 0-d tensors are scalar datasets; bfloat16 and float16 "
+      "are written as float32, bool as uint8), root attributes 'step' and 'source'. "
+      ".safetensors: the safetensors format (F32 F64 F16 BF16 I64 I32 I16 I8 U8 BOOL, exact "
+      "bits), __metadata__ {\"step\", \"source\"}. Rank-local tensors (__rank<R>/...) are "
+      "skipped unless --include-rank-local. The file is written as <file>.partial and renamed "
+      "when complete.");
   exp->add_option("dir", ex.dir, "checkpoint or root")->required();
   exp->add_option("--to", ex.to, "output file: <name>.h5, <name>.hdf5 or <name>.safetensors "
                                  "(replaced if it exists)")
@@ -74,11 +82,13 @@ int run(int argc, char** argv) {
                 "also export the rank-local tensors (__rank<R>/...), skipped by default");
 
   DiffArgs df;
-  auto* diff = app.add_subcommand(
-      "diff", "compare two checkpoints tensor by tensor (one at a time) and value by value: "
-              "names only in one, shape or dtype differences, and the max |a - b| of each "
-              "common tensor; a difference is within tolerance where |a - b| <= atol + rtol |b| "
-              "(NaN equal to NaN). Default atol 0, rtol 0: bitwise");
+  auto* diff = app.add_subcommand("diff", "compare two checkpoints tensor by tensor");
+  diff->footer(
+      "Compares tensors by name (one at a time) and the values: names only in one, shape or "
+      "dtype differences, and the max |a - b| of each common tensor. An element is within "
+      "tolerance where |a - b| <= atol + rtol |b| (NaN equal to NaN); default atol 0, rtol 0: "
+      "bitwise. One line per differing tensor or value, then a summary: SAME (exit 0) or "
+      "DIFFERENT (exit 1).");
   diff->add_option("dirA", df.a, "checkpoint or root")->required();
   diff->add_option("dirB", df.b, "checkpoint or root")->required();
   const CLI::Validator tolerance(
@@ -98,6 +108,10 @@ int run(int argc, char** argv) {
       ->capture_default_str()
       ->check(tolerance);
 
+  for (CLI::App* sub : {inspect, verify, exp, diff}) {
+    sub->footer(sub->get_footer() + "\n\n" + kExitCodes);
+  }
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -113,6 +127,9 @@ int run(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << "fsdp-checkpoint: error: " << e.what() << "\n";
     return kExitUsage;
+  } catch (const DamagedError& e) {
+    std::cerr << "fsdp-checkpoint: error: " << e.what() << "\n";
+    return kExitDamaged;
   } catch (const fsdp::dcp::CheckpointError& e) {
     std::cerr << "fsdp-checkpoint: error: " << fsdp::dcp::to_string(e.kind()) << ": " << e.what()
               << "\n";

@@ -99,11 +99,11 @@ check "flip a byte of $dataset in rank-00001.h5" 0 "^flipped the byte" -- "$flip
 check "verify the damaged copy" 1 "^model/fc1\.weight .*rank-00001\.h5.*checksum" -- "$tool" verify "$damaged"
 if grep -Eq "^FAILED .*: 1 problem$" "$work/last.log"; then echo "ok: exactly one problem reported"
 else echo "FAIL: verify should report exactly one problem"; fail=1; fi
-check "export of the damaged copy" 3 "fsdp-checkpoint: error: corrupt: .*model/fc1\.weight.*rank-00001\.h5" -- \
+check "export of the damaged copy" 3 "fsdp-checkpoint: error: .*damaged/step-000000000001: corrupt: .*model/fc1\.weight.*rank-00001\.h5" -- \
   "$tool" export "$damaged" --to "$work/damaged.h5"
 [ -e "$work/damaged.h5" ] || [ -e "$work/damaged.h5.partial" ] &&
   { echo "FAIL: a failed export left a file behind"; fail=1; }
-check "diff with the damaged copy" 3 "fsdp-checkpoint: error: corrupt: " -- "$tool" diff "$s1" "$damaged"
+check "diff with the damaged copy" 3 "fsdp-checkpoint: error: .*damaged/step-000000000001: corrupt: " -- "$tool" diff "$s1" "$damaged"
 cp -r "$s1" "$work/damaged/step-000000000007"
 sed -i 's/"step": 1,/"step": 7,/' "$work/damaged/step-000000000007/index.json"
 check "verify a checkpoint whose index was edited" 1 "checksum mismatch" -- \
