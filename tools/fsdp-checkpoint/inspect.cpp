@@ -41,6 +41,27 @@ std::string value_text(const fsdp::dcp::Value& v) {
   return "<tensor>";
 }
 
+// A value as index.json stores it ({"int64": 1}, {"float64_bits": ..., "value": 0.5},
+// {"string": "x"}) as the plain number or string.
+ordered_json plain_value(const json& v) {
+  if (v.contains("int64")) return v.at("int64");
+  if (v.contains("float64_bits")) return v.contains("value") ? v.at("value") : v.at("float64_bits");
+  if (v.contains("string")) return v.at("string");
+  return v;
+}
+
+ordered_json plain_rank_values(const json& index) {
+  ordered_json out = ordered_json::object();
+  const json all = index.value("rank_values", json::object());  // (a named copy: items()
+                                                                // refers to it)
+  for (const auto& [name, per_rank] : all.items()) {
+    ordered_json arr = ordered_json::array();
+    for (const auto& v : per_rank) arr.push_back(plain_value(v));
+    out[name] = arr;
+  }
+  return out;
+}
+
 // One optimizer group's options as "lr=0.01 betas=[0.9,0.999] ...".
 std::string group_text(const json& g) {
   std::string out;
@@ -84,7 +105,7 @@ int run_inspect(const std::string& dir, bool as_json) {
     ordered_json values = ordered_json::object();
     for (const auto& [name, v] : reader.values()) values[name] = value_json(v);
     out["values"] = values;
-    out["rank_values"] = index.value("rank_values", json::object());
+    out["rank_values"] = plain_rank_values(index);  // name -> [rank 0's, rank 1's, ...]
     ordered_json tensors = ordered_json::array();
     for (const auto& t : reader.tensors()) {
       tensors.push_back({{"name", t.name},
@@ -118,7 +139,8 @@ int run_inspect(const std::string& dir, bool as_json) {
     const json o = json::parse(text);
     fmt::print("  {}: {} over '{}'\n", prefix, o.value("type", "?"), o.value("module", "?"));
     size_t g = 0;
-    for (const auto& group : o.value("param_groups", json::array())) {
+    const json groups = o.value("param_groups", json::array());
+    for (const auto& group : groups) {
       fmt::print("    group {}: {}\n", g++, group_text(group));
     }
   }
@@ -129,9 +151,9 @@ int run_inspect(const std::string& dir, bool as_json) {
   for (const auto& [name, v] : reader.values()) {
     fmt::print("  {:<{}}  {:<6}  {}\n", name, width, value_type(v), value_text(v));
   }
-  const json rank_values = index.value("rank_values", json::object());
+  const ordered_json rank_values = plain_rank_values(index);
   if (!rank_values.empty()) {
-    fmt::print("rank-local values (per rank)\n");
+    fmt::print("rank-local values (rank 0, 1, ...)\n");
     for (const auto& [name, per_rank] : rank_values.items()) {
       fmt::print("  {}  {}\n", name, per_rank.dump());
     }

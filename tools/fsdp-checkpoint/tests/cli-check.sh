@@ -63,7 +63,8 @@ for row in 'model/fc1\.weight +param +float32 +\[7, 5\] +2 +140' \
            'probe_bf16 +tensor +bfloat16 +\[2, 3\] +1 +12' \
            '__rank1/rng +rank_local +int64 +\[2\] +1 +16' \
            '^world size +2 ' 'optim: AdamW over .model.' 'lr=0.01' \
-           'note +string +"fsdp-checkpoint test"' '^total: 20 tensors, 32 pieces, 880 bytes'; do
+           'note +string +"fsdp-checkpoint test"' '^  cursor +\[1,11\]$' \
+           '^total: 20 tensors, 32 pieces, 880 bytes'; do
   if grep -Eq -- "$row" "$work/last.log"; then echo "ok: inspect shows: $row"
   else echo "FAIL: inspect: no line matches: $row"; fail=1; fi
 done
@@ -80,6 +81,7 @@ assert len(t) == 20 and j["totals"] == {"tensors": 20, "pieces": 32, "bytes": 88
 assert t["model/fc1.weight"] == {"name": "model/fc1.weight", "kind": "param", "dtype": "float32",
                                  "shape": [7, 5], "pieces": 2, "bytes": 140}, t["model/fc1.weight"]
 assert j["values"] == {"lr": 0.01, "note": "fsdp-checkpoint test", "step": 1}, j["values"]
+assert j["rank_values"] == {"cursor": [1, 11]}, j["rank_values"]
 assert j["optimizers"]["optim"]["type"] == "AdamW"
 print("json ok:", len(t), "tensors")' "$work/inspect.json"
 
