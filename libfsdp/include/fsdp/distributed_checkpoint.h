@@ -31,7 +31,7 @@
 // balance the bytes each rank writes.
 //
 // Loading reads, on each rank, only the byte ranges of the pieces its own
-// layout needs, verifies them (HDF5 Fletcher-32 per storage block of 1 MiB,
+// layout needs, verifies them (HDF5 Fletcher-32 per storage block of 4 MiB,
 // metadata checksums, file sizes, the index's checksum), agrees on one
 // verdict with every rank, and only then installs them -- a damaged or
 // incomplete checkpoint never reaches the model. Damage falls back to the

@@ -55,6 +55,20 @@ namespace {
   throw CheckpointError(kind, tensor, file, what + " (" + hdf5_error() + ")");
 }
 
+// 4 MiB: large enough that HDF5's per-block work (filter, B-tree entry,
+// one write or read call) is small against the bytes, small enough that a
+// byte-range read of a few rows reads little beyond them.
+constexpr int64_t kBlockBytes = int64_t{4} << 20;
+
+// Dataset access without HDF5's chunk cache: whole blocks then go straight
+// between the file and our buffers (through the filter) instead of through
+// a 1 MiB cache that holds less than one block.
+Handle uncached_access() {
+  Handle dapl(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose);
+  H5Pset_chunk_cache(dapl.get(), 0, 0, 1.0);
+  return dapl;
+}
+
 struct DtypeName {
   at::ScalarType type;
   const char* name;
@@ -78,10 +92,10 @@ std::vector<hsize_t> dims_of(const std::vector<int64_t>& v) {
   return std::vector<hsize_t>(v.begin(), v.end());
 }
 
-// Storage blocks of about 1 MiB: whole rows of the trailing dims where they
-// fit, so a read of a row range touches few blocks.
+// Storage blocks of about kBlockBytes: whole rows of the trailing dims where
+// they fit, so a read of a row range touches few blocks.
 std::vector<hsize_t> chunk_dims(const std::vector<int64_t>& sizes, size_t elem) {
-  const int64_t target = std::max<int64_t>(1, (int64_t{1} << 20) / static_cast<int64_t>(elem));
+  const int64_t target = std::max<int64_t>(1, kBlockBytes / static_cast<int64_t>(elem));
   std::vector<hsize_t> c(sizes.begin(), sizes.end());
   int64_t inner = 1;
   for (size_t d = sizes.size(); d-- > 0;) {
@@ -175,8 +189,9 @@ void write_piece(hid_t file, const std::string& path, const at::Tensor& data,
   H5Pset_fletcher32(dcpl.get());
   Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   H5Pset_create_intermediate_group(lcpl.get(), 1);
+  Handle dapl = uncached_access();
   Handle ds(H5Dcreate2(file, path.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(),
-                       H5P_DEFAULT),
+                       dapl.get()),
             H5Dclose);
   if (!ds.valid()) {
     fail(CheckpointError::Kind::Io, tensor, file_name,
@@ -190,7 +205,8 @@ void write_piece(hid_t file, const std::string& path, const at::Tensor& data,
 
 void read_piece(hid_t file, const std::string& path, const Box& stored, const Box& want,
                 at::Tensor& dst, const std::string& tensor, const std::string& file_name) {
-  Handle ds(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose);
+  Handle dapl = uncached_access();
+  Handle ds(H5Dopen2(file, path.c_str(), dapl.get()), H5Dclose);
   if (!ds.valid()) {
     fail(CheckpointError::Kind::Incomplete, tensor, file_name,
          file_name + " lacks dataset " + path + " of '" + tensor + "'");

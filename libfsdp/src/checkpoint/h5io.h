@@ -2,7 +2,7 @@
 // and custom float types have no C++ wrapper in 1.10).
 //
 // Every saved piece is a chunked dataset with the Fletcher-32 filter, so
-// HDF5 checks a checksum for every storage block (about 1 MiB) it reads --
+// HDF5 checks a checksum for every storage block (about 4 MiB) it reads --
 // a byte-range read verifies exactly the bytes it reads -- and files are
 // created with the newest format, whose metadata carries checksums too.
 // Failures become CheckpointError naming the tensor and file given.

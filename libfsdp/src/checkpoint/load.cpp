@@ -138,9 +138,13 @@ void read_items(Loaded& l, const std::string& dir) {
         const Box part = intersect(lb.global, stored);
         if (empty(part) && !part.sizes.empty()) continue;
         if (!(part == lb.global) || !(stored == lb.global)) resharded = true;
-        at::Tensor buf = at::empty(part.sizes, at::TensorOptions().dtype(item.dtype));
+        at::Tensor dst = region(staging, lb, part);
+        // Straight into the host buffer where the part is one block of it.
+        at::Tensor buf = dst.is_contiguous()
+                             ? dst
+                             : at::empty(part.sizes, at::TensorOptions().dtype(item.dtype));
         read_piece(file(c.file), c.dataset, stored, part, buf, item.name, c.file);
-        region(staging, lb, part).copy_(buf);
+        if (!buf.is_same(dst)) dst.copy_(buf);
         covered += part.numel();
         l.report.bytes_read += part.numel() * static_cast<int64_t>(buf.element_size());
       }
