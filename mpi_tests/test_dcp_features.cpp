@@ -238,6 +238,7 @@ BOOST_AUTO_TEST_CASE(test_values_of_every_type) {  // [ours]
       .set("zero_d", at::scalar_tensor(2.5, at::kDouble))
       .set_rank_local("cursor", int64_t{100 + spmd::rank()})
       .set_rank_local("rng", at::full({2}, spmd::rank(), at::kLong));
+  if (spmd::rank() == 0) st.set_rank_local("only_rank0", std::string("mine"));
   fsdp::dcp::save(dir, st);
   fsdp::dcp::State back;
   back.set("i", int64_t{0}).set("bf16", at::zeros({3, 5}, at::kBFloat16));
@@ -255,6 +256,9 @@ BOOST_AUTO_TEST_CASE(test_values_of_every_type) {  // [ours]
   BOOST_TEST(back.get_tensor("zero_d").item<double>() == 2.5);
   BOOST_TEST(back.get_int("cursor") == 100 + spmd::rank());
   BOOST_TEST(at::equal(back.get_tensor("rng"), at::full({2}, spmd::rank(), at::kLong)));
+  // A rank-local value only rank 0 set: the others get none.
+  BOOST_TEST(back.has("only_rank0") == (spmd::rank() == 0));
+  if (spmd::rank() == 0) BOOST_TEST(back.get_string("only_rank0") == "mine");
   // Values that differ between ranks are refused (they are per rank).
   if (spmd::world_size() > 1) {
     fsdp::dcp::State bad;

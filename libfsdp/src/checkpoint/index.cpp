@@ -92,7 +92,7 @@ std::string index_text(const Index& index) {
   json rank_values = json::object();
   for (const auto& [name, per_rank] : index.rank_values) {
     json arr = json::array();
-    for (const auto& v : per_rank) arr.push_back(value_json(v));
+    for (const auto& v : per_rank) arr.push_back(v ? value_json(*v) : json(nullptr));
     rank_values[name] = arr;
   }
   j["rank_values"] = rank_values;
@@ -157,8 +157,11 @@ Index parse_index(const std::string& text, const std::string& shown_as) {
       index.values.emplace(name, value_from_json(v, name, shown_as));
     }
     for (const auto& [name, arr] : j.at("rank_values").items()) {
-      std::vector<Value> per_rank;
-      for (const auto& v : arr) per_rank.push_back(value_from_json(v, name, shown_as));
+      std::vector<std::optional<Value>> per_rank;
+      for (const auto& v : arr) {
+        per_rank.push_back(v.is_null() ? std::nullopt
+                                       : std::optional<Value>(value_from_json(v, name, shown_as)));
+      }
       index.rank_values.emplace(name, std::move(per_rank));
     }
     for (const auto& [prefix, o] : j.at("optimizers").items()) index.optimizers[prefix] = o;

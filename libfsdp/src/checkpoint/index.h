@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,8 @@ struct Index {
   std::string libfsdp_version;
   std::map<std::string, IndexTensor> tensors;
   std::map<std::string, Value> values;                    // global non-tensor values
-  std::map<std::string, std::vector<Value>> rank_values;  // rank-local ones, by rank
+  // Rank-local ones, by rank; nullopt (JSON null) where a rank set none.
+  std::map<std::string, std::vector<std::optional<Value>>> rank_values;
   std::map<std::string, nlohmann::json> optimizers;       // prefix -> type, module, groups
   std::map<std::string, int64_t> files;                   // rank file -> bytes
 };

@@ -175,10 +175,10 @@ void install(State& state, Loaded& l, int rank) {
   for (const auto& [name, v] : l.index.values) entries[name] = State::Entry{v, false};
   const bool same_world = l.index.world_size == world_group()->size();
   for (const auto& [name, per_rank] : l.index.rank_values) {
-    if (same_world && rank < static_cast<int>(per_rank.size())) {
-      entries[name] = State::Entry{per_rank[static_cast<size_t>(rank)], true};
-    } else {
+    if (!same_world) {
       l.report.rank_local_dropped.push_back(name);
+    } else if (rank < static_cast<int>(per_rank.size()) && per_rank[static_cast<size_t>(rank)]) {
+      entries[name] = State::Entry{*per_rank[static_cast<size_t>(rank)], true};
     }
   }
   if (!same_world) {

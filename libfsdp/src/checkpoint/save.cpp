@@ -292,9 +292,10 @@ Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOpt
     }
     for (const auto& [name, v] : values.items()) index.values.emplace(name, value_from_json(v, name, ""));
     for (const auto& [name, arr] : rank_values.items()) {
-      std::vector<Value> per_rank;
+      std::vector<std::optional<Value>> per_rank;
       for (const auto& v : arr) {
-        per_rank.push_back(v.is_null() ? Value(std::string()) : value_from_json(v, name, ""));
+        per_rank.push_back(v.is_null() ? std::nullopt
+                                       : std::optional<Value>(value_from_json(v, name, "")));
       }
       index.rank_values.emplace(name, std::move(per_rank));
     }
