@@ -10,11 +10,12 @@
 #
 # Env: FSDP_PIP_TORCH (torch version, default in ci/pip-torch.sh),
 # FSDP_WITH_NCCL (ON; AUTO or OFF for a machine without the CUDA toolkit),
-# TORCH2_LEVELS (test-plan levels, default "L0 L1 L2"). Extra arguments go to ctest.
+# TORCH2_LEVELS (test-plan levels, default "L0 L1 L2 dcp": distributed checkpoints key
+# optimizer state differently on 2.x). Extra arguments go to ctest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${TORCH2_BUILD_DIR:-$root/build-torch2}"
-read -r -a levels <<< "${TORCH2_LEVELS:-L0 L1 L2}"
+read -r -a levels <<< "${TORCH2_LEVELS:-L0 L1 L2 dcp}"
 label_regex="^($(IFS='|'; echo "${levels[*]}"))\$"
 start=$SECONDS
 
