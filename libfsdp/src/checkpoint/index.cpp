@@ -113,13 +113,19 @@ Index parse_index(const std::string& text, const std::string& shown_as) {
                           shown_as + " is not valid JSON (" + std::string(e.what()) + ")");
   }
   try {
-    if (!j.is_object() || j.value("format", "") != kFormatName) {
+    // The checksum first: a damaged "format" or "version" is damage (which
+    // falls back), not another format.
+    if (!j.is_object() || !j.contains("checksum")) {
       throw CheckpointError(Kind::Format, "", shown_as,
                             shown_as + " is not the index of a libfsdp distributed checkpoint");
     }
     if (j.value("checksum", "") != checksum_of(j)) {
       throw CheckpointError(Kind::Corrupt, "", shown_as,
                             shown_as + ": checksum mismatch (the index was modified or damaged)");
+    }
+    if (j.value("format", "") != kFormatName) {
+      throw CheckpointError(Kind::Format, "", shown_as,
+                            shown_as + " is not the index of a libfsdp distributed checkpoint");
     }
     Index index;
     index.version = j.at("version").get<int>();

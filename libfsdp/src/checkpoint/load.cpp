@@ -254,7 +254,14 @@ LoadReport load(const std::string& dir, State& state, const LoadOptions& options
       r.fallback_note = notes;
       return r;
     } catch (const CheckpointError& e) {
-      if (!options.fallback || !is_damage(e.kind()) || i + 1 == candidates.size()) throw;
+      if (!options.fallback || !is_damage(e.kind())) throw;
+      if (i + 1 == candidates.size()) {
+        if (notes.empty()) throw;
+        // No checkpoint loaded: say why the newer ones were skipped too.
+        throw CheckpointError(e.kind(), e.tensor(), e.file(),
+                              std::string(e.what()) + " (and newer ones were skipped: " + notes +
+                                  ")");
+      }
       notes += (notes.empty() ? "" : "; ") + std::string("skipped ") + candidates[i] + ": " +
                e.what();
     }

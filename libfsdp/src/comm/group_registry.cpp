@@ -10,6 +10,8 @@
 #include "comm/mpi_types.h"
 #include "comm/process_group.h"
 
+#include <ATen/ops/zeros.h>
+
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -108,7 +110,11 @@ ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose) 
   }
   // Every member reaches this point for the same group and purpose in the
   // same order (its callers are SPMD), and no member has it cached unless
-  // all have.
+  // all have. MPI_Comm_dup blocks until every member arrives and no watchdog
+  // sees it: a watched collective first turns a member that never comes
+  // into a report and an abort (FSDP_TIMEOUT) instead of a silent hang.
+  at::Tensor arrived = at::zeros({1}, at::kLong);
+  group->all_reduce(arrived)->wait();
   MPI_Comm comm = impl->duplicate_communicator();
   // Its thread waits by polling: a second comm thread spinning inside MPI
   // beside the all-gathers' would take the compute threads' cores.
