@@ -28,6 +28,8 @@ using Command = std::function<int(const fsdp::Runtime&)>;
 void add_collectives_command(CLI::App& app, Command& chosen);
 // Registers `train` (fsdp-bench/train_step.cpp) likewise.
 void add_train_command(CLI::App& app, Command& chosen);
+// Registers `checkpoint` (fsdp-bench/checkpoint.cpp) likewise.
+void add_checkpoint_command(CLI::App& app, Command& chosen);
 
 // ---- sizes ----------------------------------------------------------------
 // "4096", "1K", "256M", "2G" (binary multiples, case-insensitive, optional

@@ -2,6 +2,7 @@
 //
 //   mpiexec -n 2 fsdp-bench collectives [--min-bytes 1K --max-bytes 256M ...]
 //   mpiexec -n 2 fsdp-bench train [--batch 8 --steps 10 --json FILE ...]
+//   mpiexec -n 2 fsdp-bench checkpoint [--dir D --params 64M ...]
 #include "harness.h"
 
 #include <iostream>
@@ -17,6 +18,7 @@ int run(int argc, char** argv) {
   fsdp_bench::Command chosen;
   fsdp_bench::add_collectives_command(app, chosen);
   fsdp_bench::add_train_command(app, chosen);
+  fsdp_bench::add_checkpoint_command(app, chosen);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -25,10 +25,9 @@ namespace {
 using Kind = CheckpointError::Kind;
 using Clock = std::chrono::steady_clock;
 
-// The checkpoint's tensors against the state's: every failure here is a
-// mismatch (no fallback), named with both sides.
-void check_against(const State& state, const Index& index, const std::vector<Item>& items,
-                   const std::string& shown) {
+// The optimizers recorded against the state's (before their fields are
+// looked for: another type has other fields).
+void check_optimizers(const State& state, const Index& index, const std::string& shown) {
   for (const auto& o : state.optimizers()) {
     auto it = index.optimizers.find(o.prefix);
     const std::string type = optimizer_type(*o.optimizer);
@@ -44,6 +43,12 @@ void check_against(const State& state, const Index& index, const std::vector<Ite
                                 "; the state's is " + type);
     }
   }
+}
+
+// The checkpoint's tensors against the state's: every failure here is a
+// mismatch (no fallback), named with both sides.
+void check_against(const State& state, const Index& index, const std::vector<Item>& items,
+                   const std::string& shown) {
   size_t module_items = 0, found = 0;
   std::string first_missing;
   for (const auto& it : items) {
@@ -190,6 +195,7 @@ LoadReport load_one(const std::string& dir, State& state, const ProcessGroupPtr&
     l.index = read_index(dir);
     check_files(l.index, dir, dir);
     const bool same_world = l.index.world_size == group->size();
+    check_optimizers(state, l.index, dir);
     l.items = items_for_load(state, l.index, dir, rank, same_world);
     check_against(state, l.index, l.items, dir);
     read_items(l, dir);
