@@ -6,8 +6,8 @@
 //   FSDP_TRAIN_STALL_AT=<point>[@<step>]  the last rank SIGSTOPs itself
 //       (points: "optimizer", after the optimizer step and before the
 //       loss is averaged, not reached with --pp, whose loss comes from the
-//       pipeline schedule; "save", before the checkpoint save's first
-//       agreement; tools/fsdp-train/tests/stall-check.sh)
+//       pipeline schedule; "save", before the checkpoint save (fsdp::dcp)
+//       and its first collective; tools/fsdp-train/tests/stall-check.sh)
 //
 // Every rank reads the same environment, so a bad value is a ConfigError
 // naming the variable and the accepted form on every rank.
