@@ -299,7 +299,15 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
       ->capture_default_str();
   app.add_option("--checkpoint-every", cfg.checkpoint_every,
                  "also checkpoint every N steps [default: at the end only]");
-  app.add_flag("--resume", cfg.resume, "continue from <out>/checkpoint");
+  app.add_option("--async-save", cfg.async_save,
+                 "write checkpoints in the background (fsdp::dcp::AsyncSaver: the step goes on "
+                 "once this rank's pieces are copied to host memory; the end of training waits "
+                 "for the last one) or, false, within the step (fsdp::dcp::save)")
+      ->capture_default_str();
+  app.add_flag("--resume", cfg.resume,
+               "continue from the newest complete checkpoint under <out>/checkpoint/, in any "
+               "world size and layout (--mesh, --tp, --pp, --ep may change; the model, "
+               "optimizer, precision, batch and data may not)");
   app.add_flag("--verify", cfg.verify,
                "re-run the same steps unsharded in one process on rank 0 (the plain decoder "
                "with --tp) and compare the losses and the final parameters");
@@ -428,51 +436,64 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
   if (cfg.out.empty()) throw ConfigError("--out: empty path");
 }
 
-nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t data_bytes,
-                             uint64_t data_hash) {
-  nlohmann::json j = {
-      {"world", world_size},
-      {"mesh", cfg.mesh_shape},
-      {"mp", cfg.mp},
-      {"model",
-       {{"vocab", cfg.vocab}, {"hidden", cfg.hidden}, {"heads", cfg.heads}, {"layers", cfg.layers},
-        {"tie_output", true}}},
-      {"batch", cfg.batch},
-      {"seq", cfg.seq},
-      {"seed", cfg.seed},
-      {"optimizer", {{"name", "AdamW"}, {"lr", cfg.lr}, {"weight_decay", 0.0}}},
-      {"clip", cfg.clip},
-      {"data", {{"bytes", data_bytes}, {"fnv1a64", fmt::format("{:016x}", data_hash)}}},
+nlohmann::json numerics_json(const TrainConfig& cfg, int64_t data_bytes, uint64_t data_hash) {
+  // Keyed by the flag that sets each entry, so a refusal names it; "model"
+  // and "optimizer" hold what no flag changes.
+  return {
+      {"model", {{"vocab", cfg.vocab}, {"hidden", cfg.hidden}, {"heads", cfg.heads},
+                 {"tie_output", true}}},
+      {"optimizer", {{"name", "AdamW"}, {"weight_decay", 0.0}}},
+      {"--layers", cfg.layers},
+      {"--moe", cfg.moe},
+      {"--experts", cfg.experts},
+      {"--top-k", cfg.top_k},
+      {"--mp", cfg.mp},
+      {"--batch", cfg.batch},
+      {"--seq", cfg.seq},
+      {"--seed", cfg.seed},
+      {"--lr", cfg.lr},
+      {"--adam-eps", cfg.adam_eps},
+      {"--clip", cfg.clip},
+      {"--data", {{"bytes", data_bytes}, {"fnv1a64", fmt::format("{:016x}", data_hash)}}},
   };
-  // Absent at the default, so that checkpoints written before --adam-eps
-  // existed still resume (check_same_numerics compares the keys of both sides).
-  if (cfg.adam_eps != 1e-8) j["optimizer"]["eps"] = cfg.adam_eps;
-  // Absent at tp 1 for the same reason.
-  if (cfg.tp > 1) {
-    j["tp"] = {{"size", cfg.tp},
-               {"sequence_parallel", cfg.sequence_parallel},
-               {"loss_parallel", cfg.loss_parallel}};
+}
+
+nlohmann::json layout_json(const TrainConfig& cfg, int world_size) {
+  return {{"world", world_size},
+          {"mesh", cfg.mesh_shape},
+          {"tp", cfg.tp},
+          {"sequence_parallel", cfg.sequence_parallel},
+          {"loss_parallel", cfg.loss_parallel},
+          {"pp", cfg.pp},
+          {"schedule", cfg.schedule},
+          {"stages_per_rank", cfg.stages_per_rank},
+          {"microbatches", cfg.microbatches},
+          {"ep", cfg.ep},
+          {"reshard_after_forward", cfg.reshard_after_forward_given
+                                        ? nlohmann::json(cfg.reshard_after_forward)
+                                        : nlohmann::json("default")},
+          {"ac", cfg.ac}};
+}
+
+std::string layout_string(const nlohmann::json& layout) {
+  std::string mesh;
+  const auto& dims = layout.at("mesh");
+  for (size_t i = 0; i < dims.size(); ++i) {
+    mesh += (i ? "x" : "") + std::to_string(dims.at(i).get<int64_t>());
   }
-  // Likewise absent without --pp. The schedule is recorded too: it orders
-  // the microbatches' gradient accumulation.
-  if (cfg.pipelined()) {
-    j["pp"] = {{"size", cfg.pp},
-               {"schedule", cfg.schedule},
-               {"stages_per_rank", cfg.stages_per_rank},
-               {"microbatches", cfg.microbatches}};
+  std::string s = "mesh " + mesh;
+  if (layout.at("tp").get<int64_t>() > 1) s += fmt::format(", tp {}", layout.at("tp").get<int64_t>());
+  if (layout.at("pp").get<int64_t>() > 1) {
+    s += fmt::format(", pp {} ({})", layout.at("pp").get<int64_t>(),
+                     layout.at("schedule").get<std::string>());
   }
-  // Likewise absent without --moe; ep is recorded since the shards' shapes
-  // and the gradient sums follow it.
-  if (cfg.moe) {
-    j["moe"] = {{"experts", cfg.experts}, {"top_k", cfg.top_k}, {"ep", cfg.ep}};
-  }
-  return j;
+  if (layout.at("ep").get<int64_t>() > 1) s += fmt::format(", ep {}", layout.at("ep").get<int64_t>());
+  return s;
 }
 
 void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& current,
                          const std::string& where) {
-  // The world size and the layout first: they explain most mismatches.
-  std::vector<std::string> keys = {"world", "mesh", "tp", "pp", "moe"};
+  std::vector<std::string> keys;
   for (const auto* side : {&current, &saved}) {
     for (auto it = side->begin(); it != side->end(); ++it) {
       if (std::find(keys.begin(), keys.end(), it.key()) == keys.end()) keys.push_back(it.key());
@@ -483,16 +504,16 @@ void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& curr
     return found == j.end() ? std::string("(missing)") : found->dump();
   };
   for (const auto& key : keys) {
-    if (!current.contains(key) && !saved.contains(key)) continue;
     if (current.contains(key) && saved.contains(key) && saved.at(key) == current.at(key)) continue;
+    const bool flag = key.rfind("--", 0) == 0;
     throw ConfigError(fmt::format(
-        "--resume: {} was written with {} = {}, but this run has {} = {}; resume with the "
-        "same world size, --mesh, --tp, --sequence-parallel, --loss-parallel, --pp, "
-        "--schedule, --stages-per-rank, --microbatches, --moe, --experts, --top-k, --ep, "
-        "--layers, --mp, --batch, --seq, "
-        "--seed, --lr, --clip and --data (or start afresh without --resume / with another "
-        "--out)",
-        where, key, text(saved, key), key, text(current, key)));
+        "--resume: {}{}: the checkpoint {} was saved with {}, this run has {}; a resume may "
+        "change the world size, --mesh, --tp, --sequence-parallel, --loss-parallel, --pp, "
+        "--schedule, --stages-per-rank, --microbatches, --ep, --device, "
+        "--reshard-after-forward and --ac, but not the model, the optimizer, the precision, "
+        "the batch or the data (start afresh without --resume, or with another --out)",
+        flag ? "" : "the ", flag ? key : key + " (fixed by fsdp-train)", where,
+        text(saved, key), text(current, key)));
   }
 }
 

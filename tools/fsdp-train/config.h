@@ -56,6 +56,7 @@ struct TrainConfig {
   std::string out = "fsdp-train-out";
   std::string data;
   int64_t checkpoint_every = 0;  // 0 = at the end only
+  bool async_save = true;        // fsdp::dcp::AsyncSaver (false: fsdp::dcp::save)
   bool resume = false;
   bool verify = false;
   double verify_tol = 0.0;  // 0 = default for the precision
@@ -92,14 +93,23 @@ void add_flags(CLI::App& app, TrainConfig& cfg);
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes);
 
 // What a checkpoint records and --resume requires to match: everything that
-// changes the numbers (world, mesh, tensor parallelism, precision, model,
-// optimizer, data), not how they are computed (resharding, activation
-// checkpointing, logging).
-nlohmann::json numerics_json(const TrainConfig& cfg, int world_size, int64_t data_bytes,
-                             uint64_t data_hash);
+// changes the model or the optimisation (model dims, --layers, --moe,
+// --experts, --top-k, --mp, --batch (global), --seq, --seed, --lr,
+// --adam-eps, --clip, --data), keyed by the flag that sets it.
+nlohmann::json numerics_json(const TrainConfig& cfg, int64_t data_bytes, uint64_t data_hash);
 
-// Throws ConfigError naming the first entry where `saved` and `current`
-// differ ("mesh: checkpoint [2], this run [2x1]").
+// What a checkpoint records of its layout and --resume may change: the
+// world size, --mesh, --tp (with --sequence-parallel / --loss-parallel),
+// --pp (--schedule, --stages-per-rank, --microbatches), --ep,
+// --reshard-after-forward and --ac. These change how the numbers are
+// computed (the reduction order), not what they are.
+nlohmann::json layout_json(const TrainConfig& cfg, int world_size);
+// "mesh 2x2", "mesh 2, tp 2", "mesh 2, pp 2 (1f1b)", "mesh 4, ep 2".
+std::string layout_string(const nlohmann::json& layout);
+
+// Throws ConfigError naming the first flag where `saved` and `current`
+// differ, with both values ("--lr: the checkpoint <where> was saved with
+// 0.003, this run has 0.001; ...").
 void check_same_numerics(const nlohmann::json& saved, const nlohmann::json& current,
                          const std::string& where);
 

@@ -5,7 +5,7 @@
 #include "final_report.h"
 
 #include "pipelined_decoder.h"
-#include "resume_files.h"
+#include "train_checkpoint.h"
 #include "verify.h"
 
 #include <ATen/ops/equal.h>
@@ -212,9 +212,10 @@ void print_outputs(const TrainingRun& run, const std::vector<Curve>& curves) {
   }
   std::cout << "  loss CSV    " << abs_path(cfg.out + "/loss.csv") << "\n";
   if (cfg.verify) std::cout << "  verify CSV  " << abs_path(cfg.out + "/loss_single.csv") << "\n";
-  if (fs::exists(checkpoint_dir(cfg.out) + "/meta.json")) {
-    std::cout << "  checkpoint  " << abs_path(checkpoint_dir(cfg.out))
-              << "/ (resume: add --resume --steps N)\n";
+  const auto checkpoints = fsdp::dcp::list_checkpoints(checkpoint_root(cfg.out));
+  if (!checkpoints.empty()) {
+    std::cout << "  checkpoint  " << abs_path(checkpoints.front())
+              << "/ (resume: add --resume --steps N, in any layout)\n";
   }
   std::cout << std::flush;
 }

@@ -14,8 +14,9 @@
 //   mpiexec -n 4 fsdp-train --moe [--experts 4] [--top-k 2] [--ep 2] ...
 //
 // Rank 0 prints one progress line per step (progress.h), writes
-// <out>/loss.csv and <out>/loss.png, and every rank writes its shards of the
-// sharded HDF5 checkpoint <out>/checkpoint/ (resume_files.h). --verify re-runs
+// <out>/loss.csv and <out>/loss.png, and every rank writes its pieces of the
+// distributed checkpoints under <out>/checkpoint/ (train_checkpoint.h,
+// fsdp::dcp); --resume loads one into any layout. --verify re-runs
 // the steps unsharded on rank 0 and compares the losses and the final
 // parameters (verify.h).//
 // This file: the flags, set-up (output folder, mesh, sharded model,
@@ -27,9 +28,9 @@
 #include "model.h"
 #include "pipelined_decoder.h"
 #include "progress.h"
-#include "resume_files.h"
 #include "step_loop.h"
 #include "test_hooks.h"
+#include "train_checkpoint.h"
 #include "training_run.h"
 #include "world_comm.h"
 
@@ -114,26 +115,6 @@ ShardedDecoder build_sharded(const TrainConfig& cfg, const c10::Device& device,
   return cfg.pipelined() ? shard_pipeline(plain, cfg, mesh) : shard_decoder(plain, cfg, mesh);
 }
 
-struct Resumed {
-  int64_t start = 0;  // the checkpoint's step (0 without --resume)
-  std::string from;   // its directory
-};
-
-// --resume: the checkpoint's shards and AdamW state loaded into `sharded`
-// and `opt` (`names`: opt's parameters' names). Verified on every rank
-// (checksums, shapes against this rank's shards, step, flags, NaN/Inf),
-// agreed over the world; falls back to an older complete checkpoint if
-// checkpoint/ is missing or damaged.
-Resumed resume_into(const TrainConfig& cfg, const nlohmann::json& numerics,
-                    ShardedDecoder& sharded, const std::vector<std::string>& names,
-                    torch::optim::AdamW& opt, const WorldComm& world_comm, bool lead) {
-  LoadedCheckpoint ckpt = resume_checkpoint(cfg.out, numerics, local_state(sharded), world_comm);
-  if (lead && !ckpt.fallback_note.empty()) std::cerr << ckpt.fallback_note << std::endl;
-  load_local_state(sharded, ckpt.shards);
-  load_optimizer_state(ckpt, names, opt);
-  return {ckpt.step, ckpt.dir};
-}
-
 // Rank 0's opening lines: the configuration (and the pipeline's layout,
 // and where a resume started).
 void print_banner(const TrainingRun& run, const fsdp::Runtime& rt, const Resumed& resumed) {
@@ -179,9 +160,8 @@ void print_banner(const TrainingRun& run, const fsdp::Runtime& rt, const Resumed
               << std::endl;
   }
   if (cfg.resume) {
-    std::cout << fmt::format("fsdp-train: resumed from {} at step {}", resumed.from,
-                             resumed.start)
-              << std::endl;
+    std::cout << resumed.line << std::endl;
+    if (!resumed.fallback.empty()) std::cout << resumed.fallback << std::endl;
   }
 }
 
@@ -203,7 +183,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const bool lead = rank == 0;
   const Corpus corpus = Corpus::load(cfg.data);
   resolve(cfg, world, corpus.size());
-  const nlohmann::json numerics = numerics_json(cfg, world, corpus.size(), corpus.hash());
+  const nlohmann::json numerics = numerics_json(cfg, corpus.size(), corpus.hash());
   prepare_out_dir(cfg, lead);
 
   const c10::Device device = train_device(rt, cfg);
@@ -216,18 +196,18 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   fsdp::FSDPModule root = sharded.units.back().second;
   auto opt = make_optimizer(*sharded.net, cfg);
   const std::vector<at::Tensor> params = sharded.net->parameters();
-  std::vector<std::string> names;
-  for (const auto& item : sharded.net->named_parameters()) names.push_back(item.key());
   const TrainingRun run{cfg,  corpus, numerics, device,  world_comm, sharded,
                         root, params, opt,      dp_rank, n_params,   lead};
 
   Resumed resumed;
-  if (cfg.resume) resumed = resume_into(cfg, numerics, sharded, names, opt, world_comm, lead);
+  if (cfg.resume) resumed = resume(run);
   if (lead) print_banner(run, rt, resumed);
   std::unique_ptr<LossLog> log;
   if (lead) log = open_loss_log(cfg, resumed.start);
 
-  train_steps(run, resumed.start, log.get(), stall);
+  Checkpointer checkpointer(run);
+  train_steps(run, resumed.start, log.get(), stall, checkpointer);
+  checkpointer.finish();
 
   std::vector<Curve> curves{{cfg.out + "/loss.csv",
                              fmt::format("fsdp-train: {} ranks, mesh {}, {}", world,
@@ -258,6 +238,14 @@ int run(int argc, char** argv) {
   } catch (const ConfigError& e) {
     // Raised alike on every rank (or agreed on): one message, a clean exit.
     if (rt.world_rank() == 0) std::cerr << "fsdp-train: error: " << e.what() << std::endl;
+    return 2;
+  } catch (const fsdp::dcp::CheckpointError& e) {
+    // Raised alike on every rank (the library agrees on it): a checkpoint
+    // that cannot be used, named with its kind.
+    if (rt.world_rank() == 0) {
+      std::cerr << "fsdp-train: error: " << (cfg.resume ? "--resume" : "checkpoint") << ": "
+                << fsdp::dcp::to_string(e.kind()) << ": " << e.what() << std::endl;
+    }
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "fsdp-train: rank " << rt.world_rank() << ": " << e.what() << std::endl;

@@ -185,23 +185,6 @@ ShardedDecoder shard_moe_decoder(const models::MoEDecoder& plain, const TrainCon
   return d;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> local_state(const ShardedDecoder& d) {
-  std::map<std::string, at::Tensor> by_name;
-  for (const auto& [prefix, unit] : d.units) {
-    for (const auto& [name, dt] : unit.state_dict()) by_name[prefix + name] = dt.to_local();
-  }
-  // In named_parameters() order (the optimizer's order).
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : d.net->named_parameters()) {
-    auto it = by_name.find(item.key());
-    if (it == by_name.end()) {
-      throw std::logic_error("fsdp-train: parameter " + item.key() + " belongs to no unit");
-    }
-    out.emplace_back(item.key(), it->second);
-  }
-  return out;
-}
-
 std::vector<std::pair<std::string, at::Tensor>> full_state(const ShardedDecoder& d) {
   std::map<std::string, at::Tensor> by_name;
   for (const auto& [prefix, unit] : d.units) {
@@ -212,28 +195,6 @@ std::vector<std::pair<std::string, at::Tensor>> full_state(const ShardedDecoder&
     out.emplace_back(item.key(), by_name.at(item.key()));
   }
   return out;
-}
-
-void load_local_state(ShardedDecoder& d,
-                      const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
-  for (auto& [prefix, unit] : d.units) {
-    std::vector<std::pair<std::string, at::Tensor>> mine;
-    for (const auto& [name, dt] : unit.state_dict()) {
-      auto it = by_name.find(prefix + name);
-      if (it == by_name.end()) {
-        throw ConfigError("--resume: the checkpoint has no shard of parameter " + prefix + name);
-      }
-      if (it->second.sizes() != dt.to_local().sizes()) {
-        throw ConfigError(fmt::format(
-            "--resume: the checkpoint's shard of {} has shape [{}], this rank's is [{}]",
-            prefix + name, fmt::join(it->second.sizes(), ", "),
-            fmt::join(dt.to_local().sizes(), ", ")));
-      }
-      mine.emplace_back(name, it->second);
-    }
-    unit.load_state_dict(mine);
-  }
 }
 
 torch::optim::AdamW make_optimizer(const torch::nn::Module& net, const TrainConfig& cfg) {

@@ -83,18 +83,9 @@ ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
 ShardedDecoder shard_moe_decoder(const models::MoEDecoder& plain, const TrainConfig& cfg,
                                  const fsdp::DeviceMesh& mesh);
 
-// This rank's parameter shards by full name ("layer0.attn.qkv.weight"), from
-// the units' sharded state dicts (FSDPModule::state_dict -> to_local: with
-// --tp, the FSDP shard of this rank's TP piece).
-std::vector<std::pair<std::string, at::Tensor>> local_state(const ShardedDecoder& d);
 // The global parameters by full name, in named_parameters() order
 // (FSDPModule::full_state_dict; collective over the mesh).
 std::vector<std::pair<std::string, at::Tensor>> full_state(const ShardedDecoder& d);
-// Loads shards of the local shape back through FSDPModule::load_state_dict.
-// Every parameter must be present (ConfigError naming the first one missing).
-void load_local_state(ShardedDecoder& d,
-                      const std::vector<std::pair<std::string, at::Tensor>>& state);
-
 torch::optim::AdamW make_optimizer(const torch::nn::Module& net, const TrainConfig& cfg);
 
 // Mean next-byte cross-entropy of `tokens` [b, seq + 1] (logits in fp32).

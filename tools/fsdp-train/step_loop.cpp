@@ -5,17 +5,14 @@
 #include "step_loop.h"
 
 #include "pipelined_decoder.h"
-#include "resume_files.h"
+#include "train_checkpoint.h"
 
 #include <fsdp/clip_grad.h>
-
-#include <torch/version.h>
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <csignal>
-#include <ctime>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -35,13 +32,6 @@ void stall_point(const HookSpec& spec, const char* point, int64_t step, const Wo
                            comm.rank(), point, step)
             << std::endl;
   std::raise(SIGSTOP);
-}
-
-std::string now_utc() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
 }
 
 // --moe: per MoE layer, max / mean over the experts of the (token, k) pairs
@@ -65,33 +55,10 @@ std::vector<double> expert_load(const WorldComm& comm, const std::vector<at::Ten
   return out;
 }
 
-// What meta.json records of the run besides its numerics (for people): the
-// flags, and the LibTorch version.
-nlohmann::json run_record(const TrainConfig& cfg, const c10::Device& device) {
-  return {{"flags",
-           {{"mesh", cfg.mesh}, {"device", device.str()}, {"mp", cfg.mp}, {"tp", cfg.tp},
-            {"sequence_parallel", cfg.sequence_parallel}, {"loss_parallel", cfg.loss_parallel},
-            {"pp", cfg.pp}, {"schedule", cfg.schedule}, {"stages_per_rank", cfg.stages_per_rank},
-            {"microbatches", cfg.microbatches}, {"moe", cfg.moe}, {"experts", cfg.experts},
-            {"top_k", cfg.top_k}, {"ep", cfg.ep},
-            {"reshard_after_forward", cfg.reshard_after_forward_given
-                                          ? nlohmann::json(cfg.reshard_after_forward)
-                                          : nlohmann::json("default")},
-            {"ac", cfg.ac}, {"steps", cfg.steps}, {"checkpoint_every", cfg.checkpoint_every}}},
-          {"torch", TORCH_VERSION}};
-}
-
-// The checkpoint save at `step` (collective), timed on rank 0.
-void save(const TrainingRun& r, int64_t step, nlohmann::json& record, const HookSpec& stall) {
+// The checkpoint save at `step` (collective).
+void save(const TrainingRun& r, int64_t step, Checkpointer& checkpointer, const HookSpec& stall) {
   stall_point(stall, "save", step, r.comm);
-  record["written"] = now_utc();
-  const auto t0 = Clock::now();
-  save_checkpoint(r.cfg.out, step, r.numerics, record, local_state(r.sharded), r.opt, r.comm);
-  if (r.lead) {
-    std::cout << fmt::format("checkpoint: step {} -> {} ({:.2f}s)", step,
-                             checkpoint_dir(r.cfg.out), seconds_since(t0))
-              << std::endl;
-  }
+  checkpointer.save(step);
 }
 
 // One step's numbers: the loss averaged over the world, the gradient norm
@@ -152,9 +119,9 @@ void print_summary(const TrainConfig& cfg, const Progress& progress, int64_t sta
 
 }  // namespace
 
-void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall) {
+void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
+                 Checkpointer& checkpointer) {
   const TrainConfig& cfg = run.cfg;
-  nlohmann::json record = run_record(cfg, run.device);
   const int64_t tokens_per_step = cfg.batch * cfg.seq;
   Progress progress(cfg.steps, start, tokens_per_step, cfg.log_every);
   double bubble_sum = 0;  // --pp: the steps' bubble fractions
@@ -178,7 +145,7 @@ void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const Hook
       if (print) std::cout << progress.line(step, s.mean_loss, mem, s.bubble, load) << std::endl;
     }
     if (step == cfg.steps || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)) {
-      save(run, step, record, stall);
+      save(run, step, checkpointer, stall);
     }
   }
   const double train_seconds = seconds_since(run_start);

@@ -5,6 +5,7 @@
 
 #include "progress.h"
 #include "test_hooks.h"
+#include "train_checkpoint.h"
 #include "training_run.h"
 
 #include <cstdint>
@@ -14,6 +15,9 @@ namespace fsdp_train {
 // Steps start + 1 .. cfg.steps on every rank, then rank 0's closing line
 // ("trained N steps in ..." or, with nothing to train, why). `log`: rank 0's
 // loss.csv (null elsewhere). `stall`: FSDP_TRAIN_STALL_AT, read at set-up.
-void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall);
+// `checkpointer` saves every --checkpoint-every steps and at the last step
+// (the caller waits for it with finish()).
+void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
+                 Checkpointer& checkpointer);
 
 }  // namespace fsdp_train

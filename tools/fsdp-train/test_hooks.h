@@ -1,13 +1,13 @@
 // fsdp-train's test hooks: environment variables the fault tests set to
 // make one rank misbehave at a named point of a step (docs/fsdp-train.md).
+// (A crash in a checkpoint save is the library's FSDP_DCP_CRASH_AT,
+// docs/distributed_checkpoint.md; tools/fsdp-train/tests/crash-check.sh.)
 //
-//   FSDP_TRAIN_CRASH_AT=<point>[@<step>]  rank 0 SIGKILLs itself in a
-//       checkpoint save (points: checkpoint.cpp; tools/fsdp-train/tests/crash-check.sh)
 //   FSDP_TRAIN_STALL_AT=<point>[@<step>]  the last rank SIGSTOPs itself
 //       (points: "optimizer", after the optimizer step and before the
 //       loss is averaged, not reached with --pp, whose loss comes from the
-//       pipeline schedule; "save", before the checkpoint save's first
-//       agreement; tools/fsdp-train/tests/stall-check.sh)
+//       pipeline schedule; "save", before the checkpoint save (fsdp::dcp)
+//       and its first collective; tools/fsdp-train/tests/stall-check.sh)
 //
 // Every rank reads the same environment, so a bad value is a ConfigError
 // naming the variable and the accepted form on every rank.

@@ -1,6 +1,5 @@
-// HDF5 helpers shared by the reference store (reference/src/store.cpp),
-// fsdp-train's checkpoints (tools/fsdp-train/resume_files.cpp) and its
-// test-only damager (tools/fsdp-train/tests/ckpt-tamper.cpp): scalar string
+// HDF5 helpers of the reference store (reference/src/store.cpp) and, through
+// fsdp_h5util, fsdp-train (whose checkpoints are fsdp::dcp's now): scalar string
 // and integer attributes, a dataset's extent and type name, a group's
 // members, whole-dataset reads and writes. Library fsdp_h5util (HDF5 only,
 // no LibTorch).

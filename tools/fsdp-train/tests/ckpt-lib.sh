@@ -9,6 +9,7 @@ np="${NP:-2}"
 fail=0
 
 command -v h5diff >/dev/null || { echo "FAIL: h5diff not found (Debian package hdf5-tools)"; exit 1; }
+command -v jq >/dev/null || { echo "FAIL: jq not found (Debian package jq)"; exit 1; }
 
 # run <log> [flags...]: one fsdp-train job, at most 60 s (a hang is a
 # failure, not a stuck CI job); output to <log> and to ours; sets $rc and
@@ -54,11 +55,23 @@ expect() {
   fi
 }
 
+# newest <out>: the newest complete checkpoint under <out>/checkpoint/ (a
+# step-<12 digits> directory holding index.json; docs/distributed_checkpoint.md).
+newest() {
+  local d last=""
+  for d in "$1"/checkpoint/step-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9]; do
+    [ -f "$d/index.json" ] && last="$d"
+  done
+  echo "$last"
+}
+
 # same_run <a> <b> <work>: loss.csv step,loss,grad_norm (shortest round-trip
-# text: equal text = equal bits) and every checkpoint/rank<R>.h5 (h5diff:
-# shards, AdamW state, attributes) identical.
+# text: equal text = equal bits) and the newest checkpoint of each -- the
+# same step, index.json but its creation time and checksum, and every
+# rank-<R>.h5 (h5diff: every piece of the parameters and the AdamW state)
+# identical.
 same_run() {
-  local a="$1" b="$2" work="$3" r fa fb
+  local a="$1" b="$2" work="$3" ca cb fa fb name
   cut -d, -f1-3 "$a/loss.csv" >"$work/a.txt"
   cut -d, -f1-3 "$b/loss.csv" >"$work/b.txt"
   if diff -u "$work/a.txt" "$work/b.txt"; then
@@ -67,16 +80,31 @@ same_run() {
     echo "FAIL: loss.csv differs between $a and $b (diff above)"
     fail=1
   fi
-  for ((r = 0; r < np; ++r)); do
-    fa="$a/checkpoint/rank$r.h5" fb="$b/checkpoint/rank$r.h5"
-    if [ ! -f "$fa" ] || [ ! -f "$fb" ]; then
-      echo "FAIL: missing $fa or $fb"
+  ca=$(newest "$a") cb=$(newest "$b")
+  if [ -z "$ca" ] || [ -z "$cb" ] || [ "$(basename "$ca")" != "$(basename "$cb")" ]; then
+    echo "FAIL: newest checkpoints differ or are missing: '$ca' and '$cb'"
+    fail=1
+    return
+  fi
+  jq -S 'del(.created, .checksum)' "$ca/index.json" >"$work/index-a.json"
+  jq -S 'del(.created, .checksum)' "$cb/index.json" >"$work/index-b.json"
+  if diff -q "$work/index-a.json" "$work/index-b.json" >/dev/null; then
+    echo "ok: $(basename "$ca")/index.json identical (but its creation time)"
+  else
+    echo "FAIL: $(basename "$ca")/index.json differs:"
+    diff "$work/index-a.json" "$work/index-b.json" | head -n 20
+    fail=1
+  fi
+  for fa in "$ca"/rank-*.h5; do
+    name=$(basename "$fa") fb="$cb/$(basename "$fa")"
+    if [ ! -f "$fb" ]; then
+      echo "FAIL: missing $fb"
       fail=1
-    elif h5diff -c "$fa" "$fb" >"$work/h5diff-rank$r.txt" 2>&1; then
-      echo "ok: checkpoint/rank$r.h5 identical"
+    elif h5diff -c "$fa" "$fb" >"$work/h5diff-$name.txt" 2>&1; then
+      echo "ok: $(basename "$ca")/$name identical"
     else
-      echo "FAIL: checkpoint/rank$r.h5 differs:"
-      head -n 20 "$work/h5diff-rank$r.txt"
+      echo "FAIL: $(basename "$ca")/$name differs:"
+      head -n 20 "$work/h5diff-$name.txt"
       fail=1
     fi
   done

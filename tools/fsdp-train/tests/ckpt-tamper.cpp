@@ -1,87 +1,131 @@
-// Test helper for tools/fsdp-train/tests/ckpt-verify-check.sh: damages a real fsdp-train
-// checkpoint in the ways a resume must refuse, keeping the checksums right
-// where the point is to reach a later check (NaN, shape, a lying step):
+// Test helper for tools/fsdp-train/tests/ckpt-verify-check.sh: damages a real
+// fsdp-train checkpoint (an fsdp::dcp checkpoint, docs/distributed_checkpoint.md)
+// in the ways a resume must refuse or fall back from:
 //
-//   train-ckpt-tamper nan     <rank.h5> <dataset>   element 0 := NaN, checksum re-signed
-//   train-ckpt-tamper reshape <rank.h5> <dataset>   one more row of zeros, checksum re-signed
-//   train-ckpt-tamper delete  <rank.h5> <path>      unlinks a dataset or group
-//   train-ckpt-tamper meta    <meta.json> <key> <json value>|--delete
-//                                                   sets or deletes a key, re-signs meta.json
-//
-// (A flipped byte, where the checksum must NOT be re-signed, is written by
-// the script with dd, below HDF5.)
-#include "resume_files.h"
-
+//   train-ckpt-tamper flip  <rank-R.h5> <group>
+//       XOR 0x01 into byte 100 of the first storage chunk of the first
+//       dataset under <group> (e.g. /model/embed.weight), in the file's
+//       bytes below HDF5, as bit rot would: only the chunk's Fletcher-32
+//       checksum can tell.
+//   train-ckpt-tamper index <index.json> set <json pointer> <json value>
+//   train-ckpt-tamper index <index.json> delete <json pointer>
+//   train-ckpt-tamper index <index.json> rename-prefix <from> <to>
+//       edits index.json (set or delete an entry; rename every tensor whose
+//       name starts with <from>) and re-signs its checksum, so the edit
+//       reaches the checks after the checksum (a missing tensor, another
+//       shape, another model).
 #include <H5Cpp.h>
-#include <reference/h5_util.h>
+#include <hdf5.h>
+#include <nlohmann/json.hpp>
 
-#include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <limits>
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace {
 
-void resign(H5::DataSet& ds, const std::vector<float>& v) {
-  const uint64_t sum = fsdp_train::fnv1a64(v.data(), v.size() * sizeof(float));
-  h5util::set_uint64_attr(ds, "fnv1a64", sum);
+int usage() {
+  std::cerr << "usage: train-ckpt-tamper flip <rank-R.h5> <group>\n"
+               "       train-ckpt-tamper index <index.json> set <json pointer> <json value>\n"
+               "       train-ckpt-tamper index <index.json> delete <json pointer>\n"
+               "       train-ckpt-tamper index <index.json> rename-prefix <from> <to>\n";
+  return 2;
 }
 
-int usage() {
-  std::cerr << "usage: train-ckpt-tamper nan|reshape|delete <rank.h5> <path>\n"
-               "       train-ckpt-tamper meta <meta.json> <key> <json value>|--delete\n";
-  return 2;
+// The library's index checksum: FNV-1a 64 over the compact, key-sorted JSON
+// without "checksum" (libfsdp/src/checkpoint/index.cpp).
+std::string index_checksum(nlohmann::json j) {
+  j.erase("checksum");
+  const std::string text = j.dump();
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 0x100000001b3ULL;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return std::string("fnv1a64:") + hex;
+}
+
+int edit_index(int argc, char** argv) {
+  const std::string file = argv[2], op = argv[3];
+  nlohmann::json j;
+  {
+    std::ifstream in(file);
+    in >> j;
+  }
+  if (op == "set" && argc == 6) {
+    j[nlohmann::json::json_pointer(argv[4])] = nlohmann::json::parse(argv[5]);
+  } else if (op == "delete" && argc == 5) {
+    const nlohmann::json::json_pointer ptr(argv[4]);
+    if (!j.contains(ptr)) throw std::runtime_error(std::string("no entry ") + argv[4]);
+    j[ptr.parent_pointer()].erase(ptr.back());
+  } else if (op == "rename-prefix" && argc == 6) {
+    const std::string from = argv[4], to = argv[5];
+    nlohmann::json renamed = nlohmann::json::object();
+    for (auto& [name, t] : j.at("tensors").items()) {
+      renamed[name.rfind(from, 0) == 0 ? to + name.substr(from.size()) : name] = t;
+    }
+    j["tensors"] = renamed;
+  } else {
+    return usage();
+  }
+  j["checksum"] = index_checksum(j);
+  std::ofstream(file) << j.dump(1);
+  return 0;
+}
+
+int flip(const std::string& file, const std::string& group) {
+  haddr_t address = HADDR_UNDEF;
+  hsize_t size = 0;
+  std::string dataset;
+  {
+    H5::H5File f(file, H5F_ACC_RDONLY);
+    H5::Group g = f.openGroup(group);
+    if (g.getNumObjs() == 0) throw std::runtime_error(group + " holds no dataset");
+    dataset = group + "/" + g.getObjnameByIdx(0);
+    H5::DataSet ds = f.openDataSet(dataset);
+    const int rank = ds.getSpace().getSimpleExtentNdims();
+    const std::vector<hsize_t> origin(static_cast<size_t>(rank > 0 ? rank : 1), 0);
+    unsigned filter_mask = 0;
+    if (H5Dget_chunk_info_by_coord(ds.getId(), origin.data(), &filter_mask, &address, &size) < 0 ||
+        address == HADDR_UNDEF) {
+      throw std::runtime_error(dataset + ": no storage chunk (not a chunked dataset?)");
+    }
+  }
+  if (size <= 100) throw std::runtime_error(dataset + ": its first chunk is too small");
+  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+  const auto offset = static_cast<std::streamoff>(address + 100);
+  io.seekg(offset);
+  char byte = 0;
+  io.read(&byte, 1);
+  const char flipped = static_cast<char>(byte ^ 1);
+  io.seekp(offset);
+  io.write(&flipped, 1);
+  if (!io) throw std::runtime_error("cannot rewrite byte " + std::to_string(offset));
+  std::cout << "    flipped bit 0 of byte " << offset << " of " << file << " (" << dataset
+            << ", first chunk at " << address << ", " << size << " bytes)\n";
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4) return usage();
-  const std::string cmd = argv[1], file = argv[2], path = argv[3];
+  const std::string cmd = argv[1], file = argv[2];
   try {
-    if (cmd == "meta") {
-      if (argc != 5) return usage();
-      nlohmann::json meta;
-      std::ifstream(file) >> meta;
-      if (std::string(argv[4]) == "--delete") {
-        meta.erase(path);
-      } else {
-        meta[path] = nlohmann::json::parse(argv[4]);
-      }
-      meta["checksum"] = fsdp_train::meta_checksum(meta);
-      std::ofstream(file) << meta.dump(2) << "\n";
-      return 0;
-    }
-    H5::H5File f(file, H5F_ACC_RDWR);
-    if (cmd == "delete") {
-      f.unlink(path);
-    } else if (cmd == "nan" || cmd == "reshape") {
-      H5::DataSet ds = f.openDataSet(path);
-      std::vector<hsize_t> dims;
-      std::vector<float> v = h5util::read_all<float>(ds, H5::PredType::NATIVE_FLOAT, &dims);
-      if (cmd == "nan") {
-        v.at(0) = std::numeric_limits<float>::quiet_NaN();
-        ds.write(v.data(), H5::PredType::NATIVE_FLOAT);
-        resign(ds, v);
-      } else {
-        ds.close();
-        f.unlink(path);
-        dims.at(0) += 1;
-        v.resize(v.size() / (dims[0] - 1) * dims[0], 0.0f);
-        H5::DataSet nds = h5util::write_dataset(f, path, H5::PredType::IEEE_F32LE, dims, v.data(),
-                                                H5::PredType::NATIVE_FLOAT);
-        resign(nds, v);
-      }
-    } else {
-      return usage();
-    }
+    if (cmd == "index") return edit_index(argc, argv);
+    if (cmd == "flip" && argc == 4) return flip(file, argv[3]);
+    return usage();
   } catch (const H5::Exception& e) {
-    std::cerr << "train-ckpt-tamper: " << file << " " << path << ": " << e.getDetailMsg() << "\n";
+    std::cerr << "train-ckpt-tamper: " << file << ": " << e.getDetailMsg() << "\n";
     return 1;
   } catch (const std::exception& e) {
     std::cerr << "train-ckpt-tamper: " << file << ": " << e.what() << "\n";
     return 1;
   }
-  return 0;
 }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Checks that fsdp-train's checkpoints resume exactly: N steps straight (dir A)
 # and N/2 steps + `--resume --steps N` (dir B) must give bitwise-identical
-# losses and gradient norms in loss.csv and identical final checkpoint shards
-# (h5diff: parameter shards, AdamW state, attributes).
+# losses and gradient norms in loss.csv and identical final checkpoints
+# (index.json, and h5diff of every rank file: parameter pieces, AdamW state).
+# Same world size and layout, so the arithmetic is the same: bitwise.
+# (tools/fsdp-train/tests/reshard-check.sh resumes into other layouts.)
 #
 #   tools/fsdp-train/tests/resume-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
@@ -31,7 +33,9 @@ echo "== A: $steps steps straight"
 run --steps "$steps" --out "$a"
 echo "== B: $half steps, then --resume to $steps"
 run --steps "$half" --out "$b"
-run --steps "$steps" --out "$b" --resume
+run --steps "$steps" --out "$b" --resume | tee "$work/resume.log"
+grep -q "^fsdp-train: resumed from $b/checkpoint/step-0*$half at step $half, .*resharded 0 of" \
+  "$work/resume.log" || { echo "FAIL: no 'resumed from ... at step $half ... resharded 0 of' line"; fail=1; }
 
 # step,loss,grad_norm and every rank file, bitwise (same_run).
 same_run "$a" "$b" "$work"
