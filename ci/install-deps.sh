@@ -10,9 +10,9 @@ packages=(
   libopenmpi-dev openmpi-bin
   libboost-test-dev
   libhdf5-dev hdf5-tools
-  jq                      # fsdp-train checkpoint tests: index.json compared without its timestamp
   libcli11-dev libfmt-dev nlohmann-json3-dev
   gnuplot-nox             # loss.png of fsdp-train (optional at run time)
+  python3                 # checkpoint test scripts read index.json / safetensors headers (stdlib only)
 )
 
 missing=()

@@ -9,7 +9,7 @@ np="${NP:-2}"
 fail=0
 
 command -v h5diff >/dev/null || { echo "FAIL: h5diff not found (Debian package hdf5-tools)"; exit 1; }
-command -v jq >/dev/null || { echo "FAIL: jq not found (Debian package jq)"; exit 1; }
+command -v python3 >/dev/null || { echo "FAIL: python3 not found"; exit 1; }
 
 # run <log> [flags...]: one fsdp-train job, at most 60 s (a hang is a
 # failure, not a stuck CI job); output to <log> and to ours; sets $rc and
@@ -86,8 +86,11 @@ same_run() {
     fail=1
     return
   fi
-  jq -S 'del(.created, .checksum)' "$ca/index.json" >"$work/index-a.json"
-  jq -S 'del(.created, .checksum)' "$cb/index.json" >"$work/index-b.json"
+  # index.json without its timestamp and checksum, keys sorted (python3's json:
+  # the standard library only).
+  local strip='import json,sys; d=json.load(open(sys.argv[1])); d.pop("created",None); d.pop("checksum",None); print(json.dumps(d,sort_keys=True,indent=1))'
+  python3 -c "$strip" "$ca/index.json" >"$work/index-a.json"
+  python3 -c "$strip" "$cb/index.json" >"$work/index-b.json"
   if diff -q "$work/index-a.json" "$work/index-b.json" >/dev/null; then
     echo "ok: $(basename "$ca")/index.json identical (but its creation time)"
   else
