@@ -17,6 +17,10 @@
 //   tp4        (shard 1, tp 4) (4)
 //   pp2        two stages of w/2 ranks: fc1 + scale on stage 0, fc2 +
 //              offset on stage 1, each fully_shard over its stage (2, 4)
+//   ep2, ep4   fully_shard like fsdp, and the grouped experts (4 experts,
+//              not used in forward, so untrained) Shard(0) over an ep mesh
+//              of 2 (2, 4) or 4 (4) ranks; in every other layout they are
+//              plain, whole on every rank (fully_shard ignores them)
 #pragma once
 
 #include "spmd.h"
@@ -24,6 +28,7 @@
 #include <fsdp/distributed_checkpoint.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
+#include <fsdp/moe.h>
 #include <fsdp/optim_state.h>
 #include <fsdp/parallel_module.h>
 #include <fsdp/tensor_parallel.h>
@@ -53,13 +58,18 @@ inline std::vector<std::string> layouts_for(int world) {
     l.push_back("tp2");
     l.push_back("pp2");
   }
-  if (world == 4) l.push_back("tp4");
+  if (world == 2 || world == 4) l.push_back("ep2");
+  if (world == 4) {
+    l.push_back("tp4");
+    l.push_back("ep4");
+  }
   return l;
 }
 
 struct NetImpl : torch::nn::Module {
   bool has_fc1 = true, has_fc2 = true;
   std::shared_ptr<torch::nn::Module> fc1, fc2;
+  fsdp::moe::GroupedExperts experts{nullptr};
   // Calls through fsdp::Sharded<> so that the units' hooks run.
   std::function<at::Tensor(const at::Tensor&)> call1, call2;
   at::Tensor scale, offset;
@@ -138,11 +148,21 @@ inline Built build(const std::string& layout, int64_t seed = 5) {
     b.dp_size = static_cast<int>(w / 2);
     n.has_fc1 = b.stage == 0;
     n.has_fc2 = b.stage == 1;
-  } else if (layout != "plain") {
+  } else if (layout != "plain") {  // fsdp, fsdp_dim1, ep2, ep4
     b.mesh = fsdp::init_device_mesh(dev, {w});
     o.mesh = b.mesh;
     b.dp_rank = r;
     b.dp_size = w;
+  }
+  {
+    std::optional<fsdp::DeviceMesh> ep;
+    if (layout == "ep2") {
+      ep = w == 2 ? fsdp::init_device_mesh(dev, {2})
+                  : fsdp::init_device_mesh(dev, {w / 2, 2}, {"dp", "ep"})["ep"];
+    }
+    if (layout == "ep4") ep = fsdp::init_device_mesh(dev, {4});
+    at::manual_seed(seed + 1);  // the same global experts for every ep size
+    n.experts = n.register_module("experts", fsdp::moe::GroupedExperts(8, 4, 4, ep));
   }
   if (n.has_fc1) {
     if (tp_mesh) {
@@ -193,7 +213,7 @@ inline Built build(const std::string& layout, int64_t seed = 5) {
         return std::nullopt;
       };
     }
-    o.ignored_params = {n.offset};
+    o.ignored_params = {n.offset, n.experts->w1, n.experts->w2, n.experts->w3};
     if (n.has_fc1) fsdp::fully_shard(n.fc1, fsdp::options_for(*n.fc1, o));
     if (n.has_fc2) fsdp::fully_shard(n.fc2, fsdp::options_for(*n.fc2, o));
     fsdp::fully_shard(b.net.ptr(), o);
@@ -256,7 +276,18 @@ inline fsdp::dcp::State state_of(Built& b) {
 // (from the units or the TP layers), or nullopt for a plain tensor.
 inline std::map<std::string, std::optional<fsdp::DTensor>> layouts_of(Built& b) {
   std::map<std::string, std::optional<fsdp::DTensor>> out;
-  for (const auto& p : b.net->named_parameters()) out[p.key()] = std::nullopt;
+  std::map<const c10::TensorImpl*, fsdp::DTensor> distributed;  // ep experts
+  for (const auto& dp : fsdp::dtensor_params(*b.net)) {
+    distributed.emplace(dp.param.to_local().unsafeGetTensorImpl(), dp.param);
+  }
+  for (const auto& p : b.net->named_parameters()) {
+    auto it = distributed.find(p.value().unsafeGetTensorImpl());
+    if (it != distributed.end()) {
+      out[p.key()] = it->second;
+    } else {
+      out[p.key()] = std::nullopt;
+    }
+  }
   for (const auto& m : b.net->named_modules()) {
     auto unit = fsdp::fsdp_module_of(*m.value());
     if (!unit || unit->module().get() != m.value().get()) continue;

@@ -228,6 +228,11 @@ struct LoadOptions {
   // When the chosen checkpoint does not verify, try the next older complete
   // one (never for a mismatch with the state: those are errors).
   bool fallback = true;
+  // Parameters and optimizer state must be finite: a NaN or infinity there
+  // is damage (CheckpointError(Corrupt) naming the tensor, so a fallback)
+  // rather than something to train on. Buffers and values are not checked
+  // (a mask of -inf is legitimate).
+  bool check_finite = true;
 };
 
 struct LoadReport {

@@ -139,6 +139,46 @@ std::vector<ModuleTensor> module_tensors(const State::Module& m) {
   return out;
 }
 
+// Every module tensor of `state` as an Item (install: its load), and its
+// placement by full name (optimizer state is laid out like it).
+void add_module_items(const State& state, std::vector<Item>& items,
+                      std::map<std::string, Placed>& placed) {
+  const ModuleLayouts layouts = layouts_of(state);
+  for (const auto& m : state.modules()) {
+    for (auto& mt : module_tensors(m)) {
+      Placed p = place(mt.name, mt.tensor, layouts);
+      Item it;
+      it.name = mt.name;
+      it.kind = mt.kind;
+      it.dtype = p.local.scalar_type();
+      it.shape = p.shape;
+      it.local = p.local;
+      it.boxes = p.boxes;
+      it.layout = p.layout;
+      it.install = p.load;
+      items.push_back(std::move(it));
+      placed.emplace(mt.name, std::move(p));
+    }
+  }
+}
+
+// The user's DTensors (add_dtensor); load writes into their local tensors.
+void add_dtensor_items(const State& state, std::vector<Item>& items) {
+  for (const auto& [name, dt] : state.dtensors()) {
+    Item it;
+    it.name = name;
+    it.kind = "tensor";
+    it.dtype = dt.to_local().scalar_type();
+    it.shape = dt.shape();
+    it.local = dt.to_local();
+    it.boxes = local_boxes(name, dt);
+    it.layout = layout_str(dt);
+    at::Tensor dst = dt.to_local();
+    it.install = [dst](const at::Tensor& values) { copy_into(dst, values); };
+    items.push_back(std::move(it));
+  }
+}
+
 // ---- optimizers ----
 
 struct Field {
@@ -312,24 +352,9 @@ json optimizer_groups(const torch::optim::Optimizer& opt) {
 }
 
 std::vector<Item> items_for_save(const State& state) {
-  const ModuleLayouts layouts = layouts_of(state);
   std::vector<Item> items;
   std::map<std::string, Placed> placed;  // module tensors by full name
-  for (const auto& m : state.modules()) {
-    for (auto& mt : module_tensors(m)) {
-      Placed p = place(mt.name, mt.tensor, layouts);
-      Item it;
-      it.name = mt.name;
-      it.kind = mt.kind;
-      it.dtype = p.local.scalar_type();
-      it.shape = p.shape;
-      it.local = p.local;
-      it.boxes = p.boxes;
-      it.layout = p.layout;
-      items.push_back(it);
-      placed.emplace(mt.name, std::move(p));
-    }
-  }
+  add_module_items(state, items, placed);
   for (const auto& o : state.optimizers()) {
     const std::string type = optimizer_type(*o.optimizer);
     auto& opt = *o.optimizer;
@@ -364,17 +389,7 @@ std::vector<Item> items_for_save(const State& state) {
       }
     }
   }
-  for (const auto& [name, dt] : state.dtensors()) {
-    Item it;
-    it.name = name;
-    it.kind = "tensor";
-    it.dtype = dt.to_local().scalar_type();
-    it.shape = dt.shape();
-    it.local = dt.to_local();
-    it.boxes = local_boxes(name, dt);
-    it.layout = layout_str(dt);
-    items.push_back(std::move(it));
-  }
+  add_dtensor_items(state, items);
   const int rank = world_group()->rank();
   for (const auto& [name, e] : state.entries()) {
     const auto* t = std::get_if<at::Tensor>(&e.value);
@@ -416,25 +431,9 @@ void clear_optimizer_state(State& state) {
 
 std::vector<Item> items_for_load(State& state, const Index& index, const std::string& shown_as,
                                  int rank, bool same_world) {
-  const ModuleLayouts layouts = layouts_of(state);
   std::vector<Item> items;
   std::map<std::string, Placed> placed;
-  for (const auto& m : state.modules()) {
-    for (auto& mt : module_tensors(m)) {
-      Placed p = place(mt.name, mt.tensor, layouts);
-      Item it;
-      it.name = mt.name;
-      it.kind = mt.kind;
-      it.dtype = p.local.scalar_type();
-      it.shape = p.shape;
-      it.local = p.local;
-      it.boxes = p.boxes;
-      it.layout = p.layout;
-      it.install = p.load;
-      items.push_back(it);
-      placed.emplace(mt.name, std::move(p));
-    }
-  }
+  add_module_items(state, items, placed);
   for (const auto& o : state.optimizers()) {
     const std::string type = optimizer_type(*o.optimizer);
     auto* opt = o.optimizer;
@@ -481,19 +480,7 @@ std::vector<Item> items_for_load(State& state, const Index& index, const std::st
       }
     }
   }
-  for (const auto& [name, dt] : state.dtensors()) {
-    Item it;
-    it.name = name;
-    it.kind = "tensor";
-    it.dtype = dt.to_local().scalar_type();
-    it.shape = dt.shape();
-    it.local = dt.to_local();
-    it.boxes = local_boxes(name, dt);
-    it.layout = layout_str(dt);
-    at::Tensor dst = dt.to_local();
-    it.install = [dst](const at::Tensor& values) { copy_into(dst, values); };
-    items.push_back(std::move(it));
-  }
+  add_dtensor_items(state, items);
   std::set<std::string> taken;
   for (const auto& it : items) taken.insert(it.name);
   const std::string mine = "__rank" + std::to_string(rank) + "/";

@@ -13,6 +13,7 @@
 #include "comm/group_registry.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 
 #include <chrono>
 #include <map>
@@ -120,7 +121,7 @@ struct Loaded {
 };
 
 // Reads this rank's boxes of every item into host buffers.
-void read_items(Loaded& l, const std::string& dir) {
+void read_items(Loaded& l, const std::string& dir, bool check_finite) {
   std::map<std::string, Handle> files;
   auto file = [&](const std::string& name) -> hid_t {
     auto it = files.find(name);
@@ -156,6 +157,15 @@ void read_items(Loaded& l, const std::string& dir) {
                                   box_str(lb.global) + " this rank needs");
       }
     }
+    if (check_finite && (item.kind == "param" || item.kind == "optim") &&
+        at::isFloatingType(item.dtype) && staging.numel() > 0 &&
+        !at::isfinite(staging).all().item<bool>()) {
+      const int64_t bad = staging.numel() - at::isfinite(staging).sum().item<int64_t>();
+      throw CheckpointError(Kind::Corrupt, item.name, t.chunks.empty() ? "" : t.chunks[0].file,
+                            "'" + item.name + "' holds " + std::to_string(bad) +
+                                " non-finite value(s) in the part this rank loads (NaN or "
+                                "infinity in a parameter or optimizer state)");
+    }
     if (resharded) {
       std::ostringstream line;
       line << item.name << " " << shape_str(item.shape) << ": saved as " << t.chunks.size()
@@ -190,7 +200,8 @@ void install(State& state, Loaded& l, int rank) {
   }
 }
 
-LoadReport load_one(const std::string& dir, State& state, const ProcessGroupPtr& group) {
+LoadReport load_one(const std::string& dir, State& state, const ProcessGroupPtr& group,
+                    const LoadOptions& options) {
   const auto start = Clock::now();
   const int rank = group->rank();
   Loaded l;
@@ -202,7 +213,7 @@ LoadReport load_one(const std::string& dir, State& state, const ProcessGroupPtr&
     check_optimizers(state, l.index, dir);
     l.items = items_for_load(state, l.index, dir, rank, same_world);
     check_against(state, l.index, l.items, dir);
-    read_items(l, dir);
+    read_items(l, dir, options.check_finite);
   } catch (...) {
     error = std::current_exception();
   }
@@ -250,7 +261,7 @@ LoadReport load(const std::string& dir, State& state, const LoadOptions& options
   std::string notes;
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
-      LoadReport r = load_one(candidates[i], state, group);
+      LoadReport r = load_one(candidates[i], state, group, options);
       r.fallback_note = notes;
       return r;
     } catch (const CheckpointError& e) {
