@@ -188,9 +188,13 @@ struct SaveReport {
 
 // Saves `state` as <dir>/step-<step>: written to <dir>/step-<step>.tmp,
 // synced, renamed into place; older checkpoints beyond keep_last are then
-// removed, oldest first. ArgumentError naming "state" for a Partial DTensor
-// or names that differ between ranks; CheckpointError(Io) when a write
-// fails (on every rank; the partial directory is removed).
+// removed, oldest first. Ranks may hold different tensors (pipeline
+// stages); every tensor's pieces together must tile it. ArgumentError
+// naming "state" for a Partial DTensor, a tensor whose dtype or global
+// shape differs between ranks, pieces that overlap or leave gaps, or set()
+// values that differ between ranks; StateError for a unit holding full
+// parameters (reshard() first); CheckpointError(Io) when a write fails (on
+// every rank; nothing is published).
 SaveReport save(const std::string& dir, const State& state, const SaveOptions& options = {});
 
 // Saves in the background: save() copies this rank's pieces to host memory
@@ -200,7 +204,9 @@ SaveReport save(const std::string& dir, const State& state, const SaveOptions& o
 // save(), wait() or the destructor's log line (never lost, never raised
 // twice). Collective: every rank constructs it, calls save() and wait() in
 // the same order. The background thread communicates on its own process
-// group, so training's collectives may run meanwhile.
+// group, so training's collectives may run meanwhile. The saver keeps its
+// host buffers (this rank's pieces, pinned for CUDA) between saves, so a
+// later save copies into them instead of allocating.
 class AsyncSaver {
  public:
   AsyncSaver(std::string dir, SaveOptions defaults = {});

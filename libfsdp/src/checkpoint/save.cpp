@@ -110,12 +110,19 @@ struct Snapshot {
     at::Tensor data;  // contiguous host copy
   };
   std::vector<Piece> pieces;
+  // Host buffers of a finished save, by dataset: the next snapshot copies
+  // into them where the piece is the same (no allocation -- pinned memory
+  // is slow to allocate -- and no page faults in the stall).
+  std::map<std::string, at::Tensor> spare;
   Index index;      // rank 0: everything but the file sizes
   GlobalView view;  // rank 0
   SaveReport report;
 };
 
-Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOptions& options) {
+// `reuse`: buffers of an earlier snapshot (Snapshot::spare), taken over
+// where a piece has the same dataset, shape and dtype.
+Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOptions& options,
+                       std::map<std::string, at::Tensor> reuse = {}) {
   if (options.step < 0) {
     throw ArgumentError("options", "distributed checkpoint: SaveOptions::step is " +
                                        std::to_string(options.step) + "; accepted: >= 0");
@@ -279,9 +286,17 @@ Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOpt
         for (const auto& lb : item.boxes) {
           if (!(lb.global == box)) continue;
           const at::Tensor src = region(item.local, lb);
-          auto opts = at::TensorOptions().dtype(item.dtype);
-          if (src.is_cuda()) opts = opts.pinned_memory(true);
-          at::Tensor host = at::empty(src.sizes(), opts);
+          at::Tensor host;
+          auto old = reuse.find(dataset);
+          if (old != reuse.end() && old->second.sizes() == src.sizes() &&
+              old->second.scalar_type() == item.dtype &&
+              old->second.is_pinned() == src.is_cuda()) {
+            host = old->second;
+          } else {
+            auto opts = at::TensorOptions().dtype(item.dtype);
+            if (src.is_cuda()) opts = opts.pinned_memory(true);
+            host = at::empty(src.sizes(), opts);
+          }
           host.copy_(src);  // blocking: the writer thread reads it next
           s.pieces.push_back({name, dataset, host});
           s.report.peak_snapshot_bytes += host.numel() * elem;
@@ -335,7 +350,8 @@ SaveReport write_snapshot(Snapshot& s) {
   }
   crash_point("written", s.step, s.rank);
   agree(s.group, error);
-  s.pieces.clear();  // the host copies are no longer needed
+  for (auto& p : s.pieces) s.spare[p.dataset] = std::move(p.data);
+  s.pieces.clear();
   const auto sizes = all_gather_text(s.group, std::to_string(bytes));
   error = nullptr;
   if (s.rank == 0) {
@@ -380,6 +396,7 @@ struct AsyncSaver::Impl {
   bool running = false;
   std::optional<SaveReport> report;
   std::exception_ptr error;
+  std::shared_ptr<detail::Snapshot> last;  // its spare buffers serve the next save
 
   std::optional<SaveReport> join() {
     if (worker.joinable()) worker.join();
@@ -420,7 +437,12 @@ void AsyncSaver::save(const State& state, int64_t step) {
   impl_->join();  // at most one in flight; raises the previous one's error
   SaveOptions options = impl_->defaults;
   options.step = step;
-  auto snapshot = std::make_shared<detail::Snapshot>(detail::take_snapshot(impl_->dir, state, options));
+  std::map<std::string, at::Tensor> spare;
+  if (impl_->last) spare = std::move(impl_->last->spare);
+  impl_->last.reset();
+  auto snapshot = std::make_shared<detail::Snapshot>(
+      detail::take_snapshot(impl_->dir, state, options, std::move(spare)));
+  impl_->last = snapshot;
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->running = true;
   Impl* impl = impl_.get();
