@@ -111,10 +111,14 @@ ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose) 
   // Every member reaches this point for the same group and purpose in the
   // same order (its callers are SPMD), and no member has it cached unless
   // all have. MPI_Comm_dup blocks until every member arrives and no watchdog
-  // sees it: a watched collective first turns a member that never comes
-  // into a report and an abort (FSDP_TIMEOUT) instead of a silent hang.
-  at::Tensor arrived = at::zeros({1}, at::kLong);
-  group->all_reduce(arrived)->wait();
+  // sees it. fully_shard creates its reduction groups where every rank is
+  // (inside fully_shard); a checkpoint group is created by the first save,
+  // which a stalled rank may never reach: a watched collective first turns
+  // that into a report and an abort (FSDP_TIMEOUT) instead of a silent hang.
+  if (purpose == SideGroup::Checkpoint) {
+    at::Tensor arrived = at::zeros({1}, at::kLong);
+    group->all_reduce(arrived)->wait();
+  }
   MPI_Comm comm = impl->duplicate_communicator();
   // Its thread waits by polling: a second comm thread spinning inside MPI
   // beside the all-gathers' would take the compute threads' cores.
