@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <mutex>
 
 namespace fsdp::dcp::detail {
 
@@ -24,10 +23,8 @@ Handle::~Handle() {
 }
 
 void quiet_hdf5() {
-  static std::once_flag once;
-  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
-  // The setting is per thread in a thread-safe HDF5: background savers call
-  // this too.
+  // Per thread in a thread-safe HDF5 (background savers call it too), and
+  // cheap: set on every call rather than remembered.
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
 }
 

@@ -82,7 +82,8 @@ struct GlobalView {
 };
 void write_global_view(const std::string& path, const GlobalView& view, int64_t step);
 
-// Silences HDF5's own error printing (we report errors ourselves); once.
+// Silences HDF5's own error printing on this thread (we report errors
+// ourselves).
 void quiet_hdf5();
 // The innermost HDF5 error message of the current error stack.
 std::string hdf5_error();
