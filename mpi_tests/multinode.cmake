@@ -1,0 +1,77 @@
+# Multi-node runs on the simulated cluster (ci/cluster/fsdp-cluster,
+# docs/multinode.md): 2 nodes x 2 ranks, each node in its own network
+# namespace with a shaped link, one orted per node, TCP between nodes and
+# shared memory only inside one. Label multinode (and cpu: CI runs them).
+#
+#   fsdp_add_multinode_test(NAME <name> COMMAND <program> [args...]
+#                           [NODES <n>] [RANKS_PER_NODE <r>] [NET lo|netns]
+#                           [RATE <tc rate>] [TIMEOUT <s>] [LABELS <extra...>]
+#                           [ENV <VAR=value...>] [SCRIPT])
+#
+# SCRIPT: COMMAND is a script that calls the launcher itself (it gets
+# FSDP_CLUSTER=<launcher> and FSDP_CLUSTER_ARGS in its environment) instead
+# of being launched under it.
+set(FSDP_CLUSTER "${PROJECT_SOURCE_DIR}/ci/cluster/fsdp-cluster")
+set(FSDP_MULTINODE_REPORT_DIR "${CMAKE_BINARY_DIR}/reports/multinode")
+file(MAKE_DIRECTORY "${FSDP_MULTINODE_REPORT_DIR}")
+
+function(fsdp_add_multinode_test)
+  cmake_parse_arguments(T "SCRIPT" "NAME;NODES;RANKS_PER_NODE;NET;RATE;TIMEOUT"
+                        "COMMAND;LABELS;ENV" ${ARGN})
+  foreach(_d NODES:2 RANKS_PER_NODE:2 NET:netns RATE:10gbit TIMEOUT:300)
+    string(REPLACE ":" ";" _kv "${_d}")
+    list(GET _kv 0 _k)
+    list(GET _kv 1 _v)
+    if(NOT DEFINED T_${_k})
+      set(T_${_k} ${_v})
+    endif()
+  endforeach()
+  math(EXPR _np "${T_NODES} * ${T_RANKS_PER_NODE}")
+  # The launcher ends the job 15 s before CTest would, so its cleanup runs.
+  math(EXPR _job_timeout "${T_TIMEOUT} - 15")
+  set(_args --nodes ${T_NODES} --ranks-per-node ${T_RANKS_PER_NODE} --net ${T_NET})
+  if(T_NET STREQUAL "netns" AND T_RATE)
+    list(APPEND _args --rate ${T_RATE})
+  endif()
+  if(T_SCRIPT)
+    set(_cmd ${T_COMMAND})
+  else()
+    set(_cmd ${FSDP_CLUSTER} ${_args} --timeout ${_job_timeout} -- ${T_COMMAND})
+  endif()
+  add_test(NAME ${T_NAME} COMMAND ${_cmd})
+  string(REPLACE ";" " " _args_text "${_args}")
+  set_tests_properties(${T_NAME} PROPERTIES
+    LABELS "cpu;multinode;nodes${T_NODES};${T_LABELS}" TIMEOUT ${T_TIMEOUT} PROCESSORS ${_np}
+    # One namespace bridge at a time keeps the runs' links from sharing a subnet.
+    RESOURCE_LOCK fsdp_cluster
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;FSDP_NUM_THREADS=1;FSDP_JUNIT_DIR=${FSDP_JUNIT_DIR};FSDP_REPORT_DIR=${FSDP_MULTINODE_REPORT_DIR};FSDP_TEST_DEVICE=cpu;FSDP_CLUSTER=${FSDP_CLUSTER};FSDP_CLUSTER_ARGS=${_args_text};${T_ENV}")
+endfunction()
+
+# ---- the plan's L3 decoder cases across two nodes ---------------------------
+# L3-01 (FSDP over 4 ranks and HSDP 2x2: shard groups {0,1} and {2,3} inside
+# the nodes, replicate groups across) and L3-03 (MoE, ep 2 inside a node),
+# against the cached single-card references, at the plan's tolerances.
+fsdp_add_multinode_test(NAME multinode_llm_hsdp_fsdp_ep
+  COMMAND $<TARGET_FILE:test_fully_shard_with_llm> --run_test=test_llm_decoder_hsdp_vs_ddp,test_moe_llm_ep_fsdp_vs_ddp
+  LABELS "L3;ep" TIMEOUT 300
+  ENV "FSDP_TEST_TIMEOUT=240;OPENBLAS_CORETYPE=${FSDP_REFERENCE_BLAS_CORE};ATEN_CPU_CAPABILITY=${FSDP_REFERENCE_ATEN_CAPABILITY}")
+# TP inside a node (tp groups {0,1}, {2,3}), FSDP across the nodes (TP-01).
+fsdp_add_multinode_test(NAME multinode_llm_tp_in_node
+  COMMAND $<TARGET_FILE:test_fully_shard_with_tp>
+  LABELS "L3;tp" TIMEOUT 300
+  ENV "FSDP_TEST_TIMEOUT=240;OPENBLAS_CORETYPE=${FSDP_REFERENCE_BLAS_CORE};ATEN_CPU_CAPABILITY=${FSDP_REFERENCE_ATEN_CAPABILITY}")
+
+# ---- fsdp-train --verify across two nodes -----------------------------------
+# Each layout's 6 steps against the same steps unsharded in one process.
+set(_mn_train $<TARGET_FILE:fsdp-train> --steps 6 --seq 64 --batch 8 --verify)
+foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "tp:--tp;2" "pp:--pp;2" "moe:--moe;--experts;4;--ep;2")
+  string(FIND "${_layout}" ":" _colon)
+  string(SUBSTRING "${_layout}" 0 ${_colon} _id)
+  math(EXPR _from "${_colon} + 1")
+  string(SUBSTRING "${_layout}" ${_from} -1 _flags)
+  fsdp_add_multinode_test(NAME multinode_train_${_id}
+    COMMAND ${_mn_train} ${_flags} --out ${CMAKE_CURRENT_BINARY_DIR}/multinode-train-${_id}
+    LABELS "train" TIMEOUT 240)
+  set_tests_properties(multinode_train_${_id} PROPERTIES
+    FAIL_REGULAR_EXPRESSION "verify: max .*: FAIL")
+endforeach()
