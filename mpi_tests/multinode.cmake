@@ -78,3 +78,12 @@ foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "tp:--tp;2;--sequence-parallel;--adam-
   set_tests_properties(multinode_train_${_id} PROPERTIES
     FAIL_REGULAR_EXPRESSION "verify: max .*: FAIL")
 endforeach()
+
+# ---- a node lost mid-run, the run continued on the survivor ------------------
+# tools/fsdp-train/tests/node-loss-check.sh: node 1 killed after the step-3
+# checkpoint; the job ends within 30 s naming the node; --resume on the
+# surviving node (FSDP over 2, through fsdp::dcp) continues the run.
+fsdp_add_multinode_test(NAME multinode_train_node_loss SCRIPT
+  COMMAND bash ${PROJECT_SOURCE_DIR}/tools/fsdp-train/tests/node-loss-check.sh
+          $<TARGET_FILE:fsdp-train> ${CMAKE_CURRENT_BINARY_DIR}/multinode-node-loss
+  LABELS "train;faults;dcp" TIMEOUT 400)
