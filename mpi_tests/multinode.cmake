@@ -87,3 +87,30 @@ fsdp_add_multinode_test(NAME multinode_train_node_loss SCRIPT
   COMMAND bash ${PROJECT_SOURCE_DIR}/tools/fsdp-train/tests/node-loss-check.sh
           $<TARGET_FILE:fsdp-train> ${CMAKE_CURRENT_BINARY_DIR}/multinode-node-loss
   LABELS "train;faults;dcp" TIMEOUT 400)
+
+# ---- the watchdog and the desync check across nodes -------------------------
+# fault_probe (L0's user program) with its 2 ranks on 2 nodes: the stalled
+# rank's peer is reported and the job aborted by the watchdog; with
+# FSDP_DEBUG=detail a collective mismatch is the same CommError on both
+# nodes. The expectations are those of fault_stall_np2 and
+# fault_mismatch_detail_np2 (CMakeLists.txt).
+set(_mn_fault_cluster ${FSDP_CLUSTER} --nodes 2 --ranks-per-node 1 --net netns --rate 10gbit
+    --timeout 50 --)
+add_test(NAME multinode_fault_stall
+         COMMAND ${CMAKE_COMMAND}
+                 "-DCMD=${_mn_fault_cluster};$<TARGET_FILE:fault_probe>;stall"
+                 -DEXPECT=nonzero -DMAX_SECONDS=20 "-DREGEX=${_stuck}" "-DREGEX_ALSO=${_abort}"
+                 -P ${PROJECT_SOURCE_DIR}/cmake/RunAndCheck.cmake)
+add_test(NAME multinode_fault_mismatch_detail
+         COMMAND ${CMAKE_COMMAND}
+                 "-DCMD=${_mn_fault_cluster};$<TARGET_FILE:fault_probe>;mismatch"
+                 -DEXPECT=3 -DMAX_SECONDS=20
+                 "-DREGEX=fault_probe: rank 0 caught CommError: FSDP_DEBUG=detail: the ranks of ranks\\[0,1\\] issued different collectives"
+                 "-DREGEX_ALSO=fault_probe: rank 1 caught CommError: FSDP_DEBUG=detail"
+                 -P ${PROJECT_SOURCE_DIR}/cmake/RunAndCheck.cmake)
+set_tests_properties(multinode_fault_stall multinode_fault_mismatch_detail PROPERTIES
+  LABELS "cpu;multinode;nodes2;faults" TIMEOUT 60 PROCESSORS 2 RESOURCE_LOCK fsdp_cluster
+  ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+set_property(TEST multinode_fault_stall APPEND PROPERTY ENVIRONMENT FSDP_TIMEOUT=3)
+set_property(TEST multinode_fault_mismatch_detail APPEND PROPERTY ENVIRONMENT
+             FSDP_TIMEOUT=30 FSDP_DEBUG=detail)
