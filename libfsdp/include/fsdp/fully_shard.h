@@ -83,7 +83,13 @@ class FSDPModule {
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
   // HSDP only matters: false skips the all-reduce over the replicate dim.
   void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
-  // A bool, or ReshardAfterForward() for the default (every unit but the root).
+  // A bool, ReshardAfterForward() for the default (every unit but the root),
+  // or a rank count / ReshardAfterForward::within_node() (hpZ, options.h).
+  // The hpZ forms create the post-forward process group on first use: every
+  // rank of the shard dim calls this with the same value, as with
+  // fully_shard. ArgumentError naming "reshard_after_forward" for a count that
+  // does not divide a unit's shard dim (every unit is checked before any
+  // changes).
   void set_reshard_after_forward(ReshardAfterForward reshard_after_forward, bool recurse = true);
   // false keeps the parameters full after backward; their sharded gradients
   // reach param.grad() at the next reshard(), so call reshard() before the

@@ -85,9 +85,21 @@ struct DistributedParam {
 };
 
 // Whether a unit frees its unsharded parameters after forward (FSDP2's
-// reshard_after_forward: True, False or None). Converts from bool, so
+// reshard_after_forward: True, False, None or an int). Converts from bool, so
 // `options.reshard_after_forward = false` reads as before; it does not
 // convert back, since an unset value means "depends on the unit".
+//
+// The integer form (FSDP2's int, ZeRO++'s hpZ): after forward, keep the
+// parameters sharded over `ranks` consecutive ranks of the shard dim -- e.g.
+// the ranks of one node -- instead of all of it, so the backward all-gather
+// runs within that smaller group (and within the node). Each rank holds
+// 1/ranks of every parameter between forward and backward instead of
+// 1/shard-size. 1 means false and the shard dim's size means true, as in
+// FSDP2; any other value must divide the shard dim's size (fully_shard and
+// set_reshard_after_forward throw ArgumentError naming
+// "reshard_after_forward" otherwise, and when it combines with an
+// offload_policy). within_node(): the ranks of the shard dim on this node
+// (docs/multinode.md).
 class ReshardAfterForward {
  public:
   // Unset: every unit but the root reshards. The root's parameters would be
@@ -96,11 +108,26 @@ class ReshardAfterForward {
   // reshards all the same.
   constexpr ReshardAfterForward() = default;
   constexpr ReshardAfterForward(bool reshard) : value_(reshard) {}  // NOLINT: the plan's bool API
+  // hpZ: keep the parameters sharded over `ranks` ranks after forward.
+  constexpr ReshardAfterForward(int ranks) : value_(true), ranks_(ranks) {}  // NOLINT: FSDP2's int
+  // hpZ over the shard dim's ranks on this node (resolved by fully_shard: the
+  // same count on every node, and each node's ranks consecutive in the shard
+  // dim, else ArgumentError naming "reshard_after_forward").
+  static constexpr ReshardAfterForward within_node() {
+    ReshardAfterForward r(true);
+    r.within_node_ = true;
+    return r;
+  }
   constexpr bool is_set() const { return value_.has_value(); }
-  // The explicit choice; std::nullopt when unset.
+  // The explicit choice; std::nullopt when unset. The integer forms read as
+  // true (the unit does reshard after forward, to fewer ranks).
   constexpr std::optional<bool> value() const { return value_; }
+  // The integer form's rank count as given (unchecked until fully_shard);
+  // std::nullopt for the bool, unset and within_node() forms.
+  constexpr std::optional<int> ranks() const { return ranks_; }
+  constexpr bool is_within_node() const { return within_node_; }
   friend constexpr bool operator==(ReshardAfterForward a, ReshardAfterForward b) {
-    return a.value_ == b.value_;
+    return a.value_ == b.value_ && a.ranks_ == b.ranks_ && a.within_node_ == b.within_node_;
   }
   friend constexpr bool operator!=(ReshardAfterForward a, ReshardAfterForward b) {
     return !(a == b);
@@ -108,7 +135,12 @@ class ReshardAfterForward {
 
  private:
   std::optional<bool> value_;
+  std::optional<int> ranks_;
+  bool within_node_ = false;
 };
+
+// "true", "false", "unset", "2 ranks (hpZ)", "within node (hpZ)".
+std::string to_string(ReshardAfterForward r);
 
 struct FullyShardOptions {
   // FSDP's mesh. 1-D = FSDP, 2-D (replicate, shard) = HSDP; with more dims

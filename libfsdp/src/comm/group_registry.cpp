@@ -62,10 +62,17 @@ MPI_Comm library_world() {
   return r.world;
 }
 
-ProcessGroupPtr group_for(const std::vector<int>& members) {
+namespace {
+// "ranks[0,2]": a group's name is its member list.
+std::string group_name(const std::vector<int>& members) {
   std::string name = "ranks[";
   for (size_t i = 0; i < members.size(); ++i) name += (i ? "," : "") + std::to_string(members[i]);
-  name += "]";
+  return name + "]";
+}
+}  // namespace
+
+ProcessGroupPtr group_for(const std::vector<int>& members) {
+  const std::string name = group_name(members);
   MPI_Comm world = library_world();
   int me = 0;
   check_mpi(MPI_Comm_rank(world, &me), "MPI_Comm_rank");
@@ -127,6 +134,45 @@ ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose) 
   std::lock_guard<std::mutex> lock(r.mu);
   r.side_groups.emplace(key, dup);
   return dup;
+}
+
+ProcessGroupPtr subgroup_for(const ProcessGroupPtr& group, int size) {
+  auto* impl = dynamic_cast<ProcessGroupImpl*>(group.get());
+  if (impl == nullptr) throw StateError("subgroup_for: not a libfsdp process group");
+  if (size < 1 || group->size() % size != 0) {
+    throw StateError("subgroup_for: " + std::to_string(size) + " does not divide the size of " +
+                     group->name());
+  }
+  const int k = group->rank() / size;
+  const auto& all = group->world_ranks();
+  std::vector<int> members(all.begin() + k * size, all.begin() + (k + 1) * size);
+  // Split even when cached, as group_for does: every member calls this
+  // together, and a member that skipped the split would leave the others in it.
+  MPI_Comm comm = impl->split_communicator(k, group->rank() % size);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.groups.find(members);
+  if (it != r.groups.end()) {
+    MPI_Comm_free(&comm);
+    return it->second;
+  }
+  auto sub = std::make_shared<ProcessGroupImpl>(comm, members, group_name(members));
+  r.groups.emplace(members, sub);
+  return sub;
+}
+
+std::vector<int> members_on_this_node(const ProcessGroupPtr& group) {
+  auto* impl = dynamic_cast<ProcessGroupImpl*>(group.get());
+  if (impl == nullptr) throw StateError("members_on_this_node: not a libfsdp process group");
+  MPI_Comm node = impl->split_communicator(-1, 0);
+  int n = 0;
+  check_mpi(MPI_Comm_size(node, &n), "MPI_Comm_size");
+  std::vector<int> positions(static_cast<size_t>(n));
+  const int me = group->rank();
+  check_mpi(MPI_Allgather(&me, 1, MPI_INT, positions.data(), 1, MPI_INT, node), "MPI_Allgather");
+  MPI_Comm_free(&node);
+  std::sort(positions.begin(), positions.end());
+  return positions;
 }
 
 ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group) {

@@ -37,6 +37,14 @@ enum class SideGroup { Reduction, Checkpoint };
 // communicator and comm thread. Cached; the first call is collective over
 // the group's members.
 ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose);
+// The group of `size` consecutive members of `group` that holds this rank
+// (members [k * size, (k + 1) * size) in group order). `size` must divide
+// group->size(). Collective over the group's members; cached by member list
+// (the same group as group_for's for the same members).
+ProcessGroupPtr subgroup_for(const ProcessGroupPtr& group, int size);
+// The positions (group ranks, ascending) of `group`'s members on this node.
+// Collective over the group's members.
+std::vector<int> members_on_this_node(const ProcessGroupPtr& group);
 void init_group_registry();
 void shutdown_group_registry();
 

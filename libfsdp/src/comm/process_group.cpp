@@ -242,6 +242,21 @@ MPI_Comm ProcessGroupImpl::duplicate_communicator() {
   return comm;
 }
 
+MPI_Comm ProcessGroupImpl::split_communicator(int color, int key) {
+  std::lock_guard<std::mutex> lock(backends_mu_);
+  if (closed_) {
+    throw StateError("process group " + name_ + " was shut down (the fsdp::Runtime ended)");
+  }
+  MPI_Comm comm = MPI_COMM_NULL;
+  if (color < 0) {
+    check_mpi(MPI_Comm_split_type(bootstrap_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &comm),
+              "MPI_Comm_split_type");
+  } else {
+    check_mpi(MPI_Comm_split(bootstrap_, color, key, &comm), "MPI_Comm_split");
+  }
+  return comm;
+}
+
 void ProcessGroupImpl::shutdown() {
   std::lock_guard<std::mutex> lock(backends_mu_);
   if (closed_) return;

@@ -49,6 +49,10 @@ class ProcessGroupImpl final : public ProcessGroup {
   void shutdown();
   // A new communicator over the same ranks (collective over the group).
   MPI_Comm duplicate_communicator();
+  // MPI_Comm_split of the group's setup communicator (collective over the
+  // group): by color and key, or, with color < 0, by node
+  // (MPI_COMM_TYPE_SHARED, ordered by group rank). The caller owns the result.
+  MPI_Comm split_communicator(int color, int key);
 
  private:
   Backend& backend_for(const at::Tensor& t, const char* argument);

@@ -5,6 +5,7 @@
 
 #include "base/shape_str.h"
 #include "fsdp/errors.h"
+#include "sharding/post_forward.h"
 #include "sharding/registry.h"
 #include "sharding/state.h"
 
@@ -68,7 +69,18 @@ void FSDPModule::set_requires_all_reduce(bool v, bool recurse) {
   for_units(unit(), recurse, [v](UnitState& u) { u.settings.requires_all_reduce = v; });
 }
 void FSDPModule::set_reshard_after_forward(ReshardAfterForward v, bool recurse) {
-  for_units(unit(), recurse, [v](UnitState& u) { u.settings.reshard_after_forward = v; });
+  // Every unit's form is checked before any changes.
+  std::vector<std::pair<UnitState*, std::vector<int>>> resolved;
+  for_units(unit(), recurse, [&](UnitState& u) {
+    std::vector<ProcessGroupPtr> shard_groups;
+    for (const auto& g : u.groups) shard_groups.push_back(g.shard_group());
+    resolved.emplace_back(&u, detail::resolve_post_forward_ranks(shard_groups, v, u.offloads,
+                                                                 "set_reshard_after_forward"));
+  });
+  for (auto& [u, ranks] : resolved) {
+    detail::install_post_forward_groups(u->groups, ranks);
+    u->settings.reshard_after_forward = v;
+  }
 }
 void FSDPModule::set_reshard_after_backward(bool v, bool recurse) {
   for_units(unit(), recurse, [v](UnitState& u) { u.settings.reshard_after_backward = v; });

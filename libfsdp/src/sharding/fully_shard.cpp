@@ -7,6 +7,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/runtime.h"
 #include "sharding/plan.h"
+#include "sharding/post_forward.h"
 #include "sharding/query.h"
 #include "sharding/registry.h"
 #include "sharding/sequential.h"
@@ -215,7 +216,13 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
   // any parameter, so a rejected call leaves the module exactly as it was.
   detail::UnitPlan plan = detail::plan_unit(modules, options, mesh, unit_dims, dtensor_of);
   check_plan(plan, modules);
+  std::vector<ProcessGroupPtr> shard_groups;
+  for (const auto& g : plan.groups) shard_groups.push_back(g.shard);
+  const std::vector<int> post_forward = detail::resolve_post_forward_ranks(
+      shard_groups, options.reshard_after_forward, options.offload_policy.has_value(),
+      "fully_shard");
   auto unit = shard_unit(std::move(plan), modules, mesh, options);
+  detail::install_post_forward_groups(unit->groups, post_forward);
   detail::register_unit(unit);
   for (const auto& m : modules) detail::intercept_sequential_children(*m);
   std::vector<FSDPModule> handles;

@@ -86,6 +86,11 @@ class ShardedParam {
   void copy_in(const at::Tensor& dst);
   // The all-gather output buffer [shard_size * block] (regrown in place).
   at::Tensor all_gather_output();
+  // The full (padded) buffer as a flat view while unsharded, rank-major in
+  // blocks of padded_block_numel(); undefined before the first unshard.
+  at::Tensor unsharded_flat() const {
+    return unsharded_buf_.defined() ? unsharded_buf_.view({-1}) : at::Tensor();
+  }
   // Points the module's parameter at the full tensor (after the gather), or
   // at the param_dtype copy of the full tensor for Replicate placements.
   void to_unsharded();

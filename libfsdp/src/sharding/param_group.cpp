@@ -130,6 +130,10 @@ bool ParamGroup::reduces() const {
 void ParamGroup::issue_unshard() {
   if (unsharded_ || gather_issued_) return;
   gather_issued_ = true;
+  if (holds_post_forward_shards()) {
+    issue_post_forward_unshard();
+    return;
+  }
   const int64_t ws = shard_group_->size();
   if (ws == 1) {  // nothing to gather, fused or not: a cast or an upload at most
     for (auto& p : params_) {
@@ -201,8 +205,89 @@ void ParamGroup::finish_unshard() {
     }
     compat::release_storage(fused_gather_out_);
   }
+  post_forward_pieces_.clear();
   for (auto& p : params_) p.to_unsharded();
   unsharded_ = true;
+}
+
+void ParamGroup::set_post_forward_group(ProcessGroupPtr group, bool keep_full) {
+  drop_post_forward_shards();
+  post_forward_group_ = std::move(group);
+  keep_full_after_forward_ = keep_full;
+}
+
+void ParamGroup::drop_post_forward_shards() {
+  if (!gather_issued_) post_forward_pieces_.clear();
+}
+
+void ParamGroup::reshard_after_forward() {
+  if (keep_full_after_forward_ && unsharded_) return;
+  // Only a completed gather has every block to keep a piece of.
+  if (!post_forward_group_ || !unsharded_ || gather_issued_) {
+    reshard();
+    return;
+  }
+  trace::Span span("reshard to post-forward group", "fsdp");
+  if (span.active()) span.arg("group", post_forward_group_->name());
+  const int64_t ws = shard_group_->size();
+  const int64_t per = ws / post_forward_group_->size();  // shard ranks per piece
+  const int64_t j = post_forward_group_->rank();
+  std::vector<at::Tensor> pieces(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (!p.is_sharded_placement()) continue;
+    const int64_t n = per * p.padded_block_numel();
+    pieces[i] = p.unsharded_flat().narrow(0, j * n, n).clone();
+  }
+  reshard();
+  post_forward_pieces_ = std::move(pieces);
+}
+
+void ParamGroup::issue_post_forward_unshard() {
+  const ProcessGroupPtr& pf = post_forward_group_;
+  trace::Span span("all-gather issue", "fsdp");
+  if (span.active()) span.arg("group", pf->name()).arg("fused", fused_).arg("post_forward", true);
+  const int64_t ws = shard_group_->size();
+  const int64_t per = ws / pf->size();
+  const int64_t j = pf->rank();
+  if (fused_ && fused_block_numel_ > 0) {
+    // The fused buffer is rank-major ([ws][block]): this rank's piece is the
+    // contiguous rows of shard ranks j*per .. j*per+per-1.
+    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
+                          c10::elementSize(fused_gather_options_.dtype().toScalarType());
+    if (!fused_gather_out_.defined()) {
+      fused_gather_out_ =
+          shard_group_->empty_for_collectives({fused_block_numel_ * ws}, fused_gather_options_);
+    } else {
+      compat::restore_storage(fused_gather_out_, nbytes);
+    }
+    const at::Tensor rows = fused_gather_out_.view({ws, fused_block_numel_}).narrow(0, j * per, per);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& p = params_[i];
+      if (!p.is_sharded_placement()) continue;
+      rows.narrow(1, fused_offsets_[i], p.padded_block_numel())
+          .copy_(post_forward_pieces_[i].view({per, p.padded_block_numel()}));
+    }
+    const at::Tensor mine =
+        fused_gather_out_.narrow(0, j * per * fused_block_numel_, per * fused_block_numel_);
+    hint_bytes(fused_gather_out_);
+    gather_works_.push_back(pf->all_gather_into_tensor(fused_gather_out_, mine, /*async_op=*/true));
+    span.arg("bytes", static_cast<int64_t>(nbytes));
+    return;
+  }
+  int64_t traced_bytes = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (!p.is_sharded_placement()) continue;
+    at::Tensor out = p.all_gather_output();
+    const int64_t n = per * p.padded_block_numel();
+    at::Tensor mine = out.narrow(0, j * n, n);
+    mine.copy_(post_forward_pieces_[i]);
+    traced_bytes += static_cast<int64_t>(out.nbytes());
+    hint_bytes(out);
+    gather_works_.push_back(pf->all_gather_into_tensor(out, mine, /*async_op=*/true));
+  }
+  span.arg("bytes", traced_bytes);
 }
 
 void ParamGroup::reshard() {
@@ -213,6 +298,7 @@ void ParamGroup::reshard() {
     compat::release_storage(fused_gather_out_);
   }
   gather_issued_ = false;
+  post_forward_pieces_.clear();
   for (auto& p : params_) p.to_sharded();
   unsharded_ = false;
 }

@@ -50,7 +50,28 @@ class ParamGroup {
   bool gather_in_flight() const { return gather_issued_; }
   // Points every parameter at its shard and frees the full buffers (waits
   // for an all-gather in flight first: its buffers must not be freed).
+  // Drops what reshard_after_forward kept for the post-forward group.
   void reshard();
+
+  // ---- hpZ (ReshardAfterForward's integer form) ----
+  // The post-forward group: consecutive ranks of the shard group (a
+  // subgroup_for), or null to reshard fully after forward. keep_full: a
+  // post-forward group of one rank, i.e. reshard_after_forward_ does
+  // nothing (FSDP2's int 1 == False).
+  void set_post_forward_group(ProcessGroupPtr group, bool keep_full = false);
+  const ProcessGroupPtr& post_forward_group() const { return post_forward_group_; }
+  // reshard() after forward. With a post-forward group of P ranks, this rank
+  // first keeps its 1/P of every gathered parameter (the blocks of shard
+  // ranks [j * N/P, (j+1) * N/P) for its index j in that group), and the next
+  // issue_unshard all-gathers those pieces over the P ranks instead of the
+  // N-rank shard group -- the same bits, since an all-gather only moves them.
+  void reshard_after_forward();
+  // Whether the pieces kept by reshard_after_forward are held.
+  bool holds_post_forward_shards() const { return !post_forward_pieces_.empty(); }
+  // Drops them: the next unshard gathers over the shard group. A new forward
+  // pass does this, so pieces are only ever used by the backward of the
+  // forward that kept them (the parameters may change in between passes).
+  void drop_post_forward_shards();
 
   // ---- gradients ----
   // Builds the reduction input from this pass's (and earlier unsynchronised
@@ -103,8 +124,16 @@ class ParamGroup {
   void leave_all_reduce_queue();
   void install();
 
+  // issue_unshard's hpZ path: the pieces' all-gathers over the post-forward group.
+  void issue_post_forward_unshard();
+
   std::vector<ShardedParam> params_;
   ProcessGroupPtr shard_group_;
+  ProcessGroupPtr post_forward_group_;
+  bool keep_full_after_forward_ = false;
+  // Per parameter, this rank's piece kept by reshard_after_forward (undefined
+  // for Replicate placements); empty when none are held.
+  std::vector<at::Tensor> post_forward_pieces_;
   ProcessGroupPtr replicate_group_;
   // The reductions' own groups over the same ranks (reduction_group_for).
   ProcessGroupPtr scatter_group_;

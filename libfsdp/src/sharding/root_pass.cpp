@@ -235,7 +235,11 @@ void begin_forward_pass(UnitState& root) {
   drop_unused_prefetches(c);
   for (auto& u : locked(c.order)) {
     u->pass.in_order = false;
-    for (auto& g : u->groups) g.wait_host_copies();
+    for (auto& g : u->groups) {
+      g.wait_host_copies();
+      // hpZ pieces serve only the backward of the pass that kept them.
+      g.drop_post_forward_shards();
+    }
   }
   if (!c.order.empty()) {
     ++c.order_generation;

@@ -54,6 +54,7 @@ UnitState::UnitState(int64_t id_, std::vector<std::shared_ptr<torch::nn::Module>
       groups(std::move(groups_)) {
   settings.mp = options.mp_policy;
   settings.reshard_after_forward = options.reshard_after_forward;
+  offloads = options.offload_policy.has_value();
   for (auto& m : mods) {
     modules.push_back(m);
     module_ptrs.push_back(m.get());
@@ -208,6 +209,11 @@ void UnitState::reshard() {
   for (auto& g : groups) g.reshard();
 }
 
+void UnitState::reshard_after_forward() {
+  detail::TraceUnit traced(*this);
+  for (auto& g : groups) g.reshard_after_forward();
+}
+
 void UnitState::finish_reductions() {
   detail::TraceUnit traced(*this);
   for (auto& g : groups) g.finish_reduce();
@@ -279,7 +285,14 @@ void UnitState::post_forward() {
   // A recompute inside backward (activation checkpointing) needs the full
   // parameters for the backward that follows; post_backward reshards.
   if (detail::RecomputeGuard::active()) return;
-  if (reshards_after_forward()) reshard();
+  // hpZ keeps pieces for the backward; without grad mode none follows.
+  if (reshards_after_forward()) {
+    if (at::GradMode::is_enabled()) {
+      reshard_after_forward();
+    } else {
+      reshard();
+    }
+  }
   if (is_root() && context().phase == detail::RootContext::Phase::Forward) {
     context().phase = detail::RootContext::Phase::ForwardDone;
     // No backward follows a forward without grad: the shards' uploads (CPU

@@ -33,6 +33,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   // (group, index) of every parameter in module order.
   std::vector<std::pair<size_t, size_t>> param_order;
   int64_t grads_expected = 0;     // parameters that require a gradient
+  bool offloads = false;          // an offload_policy (refuses hpZ)
   bool computes_on_cuda = false;  // a parameter (or the mesh) is on CUDA
 
   // What the user configures (FullyShardOptions, the FSDPModule setters):
@@ -101,6 +102,9 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   void unshard(bool async_op);
   void wait_unshard();
   void reshard();
+  // What post_forward does when the unit reshards: each group reshards to
+  // its post-forward group (hpZ) or fully.
+  void reshard_after_forward();
 
   void pre_forward();
   at::Tensor cast_input(const at::Tensor& t) const;
