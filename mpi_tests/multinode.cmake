@@ -49,10 +49,12 @@ endfunction()
 
 # ---- the plan's L3 decoder cases across two nodes ---------------------------
 # L3-01 (FSDP over 4 ranks and HSDP 2x2: shard groups {0,1} and {2,3} inside
-# the nodes, replicate groups across) and L3-03 (MoE, ep 2 inside a node),
+# the nodes, replicate groups across), hpZ within each node (the L3-01
+# checks of reshard_after_forward = 2 and within_node()) and L3-03 (MoE, ep 2
+# inside a node),
 # against the cached single-card references, at the plan's tolerances.
 fsdp_add_multinode_test(NAME multinode_llm_hsdp_fsdp_ep
-  COMMAND $<TARGET_FILE:test_fully_shard_with_llm> --run_test=test_llm_decoder_hsdp_vs_ddp,test_moe_llm_ep_fsdp_vs_ddp
+  COMMAND $<TARGET_FILE:test_fully_shard_with_llm> --run_test=test_llm_decoder_hsdp_vs_ddp,test_llm_decoder_hpz_vs_ddp,test_moe_llm_ep_fsdp_vs_ddp
   LABELS "L3;ep" TIMEOUT 300
   ENV "FSDP_TEST_TIMEOUT=240;OPENBLAS_CORETYPE=${FSDP_REFERENCE_BLAS_CORE};ATEN_CPU_CAPABILITY=${FSDP_REFERENCE_ATEN_CAPABILITY}")
 # TP inside a node (tp groups {0,1}, {2,3}), FSDP across the nodes (TP-01).

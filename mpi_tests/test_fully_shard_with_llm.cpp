@@ -1,6 +1,8 @@
 // Real decoder LMs under fully_shard (the plan's _test_fully_shard_with_llm.py),
 // Level 3, fp32:
 //   L3-01 test_llm_decoder_hsdp_vs_ddp     np 4, HSDP replicate 2 x shard 2 (and 1-D x4)
+//   [ours] test_llm_decoder_hpz_vs_ddp     np 4, FSDP 1-D x4 with hpZ over 2 ranks (and
+//                                          within_node())
 //   L3-02 test_llm_decoder_fsdp_1d_vs_ddp  np 2, FSDP 1-D (and HSDP 2x1)
 //   L3-03 test_moe_llm_ep_fsdp_vs_ddp      np 4, MoE decoder, EP (replicate 1, efsdp 2,
 //                                          ep 2) (and (2, 1, 2))
@@ -35,6 +37,24 @@ BOOST_AUTO_TEST_CASE(test_llm_decoder_hsdp_vs_ddp,  // L3-01
   auto c = ref::make_case("llm_decoder");
   l1::Report report("L3-01");
   auto runs = l3::run_layouts(*c, l3::fsdp({2, 2}), l3::fsdp({4}));
+  l3::check_against_baselines(report, runs, kTol);
+  report.publish();
+}
+
+// hpZ (reshard_after_forward as a rank count), checked as L3-01 checks the
+// bool forms: FSDP over 4 keeping the parameters over 2 ranks between
+// forward and backward, and within_node() (2 ranks on the 2-node multinode
+// entry, the whole group -- i.e. true -- on one node).
+BOOST_AUTO_TEST_CASE(test_llm_decoder_hpz_vs_ddp,  // [ours]
+                     *spmd::needs_world_size(4, "hpZ over 2 of 4 ranks; it runs in "
+                                                "test_fully_shard_with_llm_np4")) {
+  auto c = ref::make_case("llm_decoder");
+  l1::Report report("L3-01 hpZ");
+  auto pairs = l3::fsdp({4});
+  pairs.reshard_after_forward = 2;
+  auto node = l3::fsdp({4});
+  node.reshard_after_forward = fsdp::ReshardAfterForward::within_node();
+  auto runs = l3::run_layouts(*c, pairs, node);
   l3::check_against_baselines(report, runs, kTol);
   report.publish();
 }

@@ -55,6 +55,9 @@ inline std::string mesh_text(const ref::RunSpec& spec) {
           ? "FSDP 1-D (" + std::to_string(spec.mesh_shape[0]) + ")"
           : "HSDP (" + std::to_string(spec.mesh_shape[0]) + "x" +
                 std::to_string(spec.mesh_shape[1]) + ")";
+  if (spec.reshard_after_forward.ranks() || spec.reshard_after_forward.is_within_node()) {
+    text += " + reshard_after_forward " + fsdp::to_string(spec.reshard_after_forward);
+  }
   if (spec.tp.size > 1) {
     text += " + TP " + std::to_string(spec.tp.size);
     if (spec.tp.sequence_parallel) text += " + SP";

@@ -57,7 +57,8 @@ struct RunSpec {
   // FSDP: {dp} (1-D) or {replicate, shard} (HSDP); product * tp.size = world.
   // With EP: {replicate, efsdp}; product * ep.size = world.
   std::vector<int64_t> mesh_shape;
-  bool reshard_after_forward = true;
+  // Every unit's (the root's too): true, false, or hpZ's rank count.
+  fsdp::ReshardAfterForward reshard_after_forward = true;
   TPSpec tp;  // FSDP only
   EPSpec ep;  // FSDP only, not with TP
   // Where the model computes: built and its data drawn on the CPU (the same
