@@ -69,7 +69,7 @@ fsdp_add_multinode_test(NAME multinode_llm_tp_in_node
 # says why: eps 1e-8 turns TP's other rounding into ~lr/30 where a gradient
 # stays near zero).
 set(_mn_train $<TARGET_FILE:fsdp-train> --steps 6 --seq 64 --batch 8 --verify)
-foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "tp:--tp;2;--sequence-parallel;--adam-eps;1e-6" "pp:--pp;2" "moe:--moe;--experts;4;--ep;2")
+foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "hpz:--reshard-after-forward;node" "tp:--tp;2;--sequence-parallel;--adam-eps;1e-6" "pp:--pp;2" "moe:--moe;--experts;4;--ep;2")
   string(FIND "${_layout}" ":" _colon)
   string(SUBSTRING "${_layout}" 0 ${_colon} _id)
   math(EXPR _from "${_colon} + 1")

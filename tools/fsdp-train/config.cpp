@@ -242,7 +242,9 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   app.add_option("--reshard-after-forward", cfg.reshard_after_forward,
-                 "free the gathered parameters after forward (true|false); default: every "
+                 "free the gathered parameters after forward (true|false), or keep them sharded "
+                 "over N consecutive ranks (an integer: hpZ, backward gathers among them) or "
+                 "over each node's ranks (node); default: every "
                  "unit but the root, whose parameters backward needs at once (FSDP2's "
                  "default); with --pp the default is false: each stage's layers stay gathered "
                  "across the step's microbatches (one all-gather per layer per step), true "
@@ -318,7 +320,29 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                  "progress line every N steps [default: 1, or steps/100 above 200 steps]");
 }
 
+fsdp::ReshardAfterForward reshard_after_forward_option(const TrainConfig& cfg) {
+  const std::string& v = cfg.reshard_after_forward;
+  if (v == "true" || v == "false") return v == "true";
+  if (v == "node") return fsdp::ReshardAfterForward::within_node();
+  return std::stoi(v);
+}
+
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
+  {
+    const std::string& v = cfg.reshard_after_forward;
+    const bool count = !v.empty() && v.size() < 9 &&
+                       v.find_first_not_of("0123456789") == std::string::npos && std::stoi(v) > 0;
+    if (v != "true" && v != "false" && v != "node" && !count) {
+      throw ConfigError(fmt::format(
+          "--reshard-after-forward {}: accepted: true, false, node, or a rank count >= 1", v));
+    }
+    if (cfg.pp > 1 && (count || v == "node")) {
+      throw ConfigError(fmt::format(
+          "--reshard-after-forward {}: hpZ does not combine with --pp (each stage keeps its "
+          "layers gathered across microbatches, or re-gathers them: true | false)",
+          v));
+    }
+  }
   if (cfg.tp < 1) throw ConfigError(fmt::format("--tp {}: must be >= 1", cfg.tp));
   if (cfg.tp == 1 && (cfg.sequence_parallel || cfg.loss_parallel)) {
     throw ConfigError(fmt::format("{}: needs tensor parallelism (--tp 2 or more)",
@@ -471,7 +495,7 @@ nlohmann::json layout_json(const TrainConfig& cfg, int world_size) {
           {"ep", cfg.ep},
           {"reshard_after_forward", cfg.reshard_after_forward_given
                                         ? nlohmann::json(cfg.reshard_after_forward)
-                                        : nlohmann::json("default")},
+                                        : nlohmann::json("default")},  // a string
           {"ac", cfg.ac}};
 }
 

@@ -2,6 +2,8 @@
 // the part of them that a checkpoint must agree with on --resume.
 #pragma once
 
+#include <fsdp/options.h>
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -43,7 +45,8 @@ struct TrainConfig {
   int64_t ep = 0;
   std::string device = "auto";  // auto | cpu | cuda
   std::string mp = "fp32";
-  bool reshard_after_forward = true;
+  // true | false | <ranks> (hpZ) | node (hpZ within each node): --reshard-after-forward.
+  std::string reshard_after_forward = "true";
   bool reshard_after_forward_given = false;  // --reshard-after-forward on the command line
   std::string ac = "none";
   int64_t steps = 100;
@@ -96,6 +99,9 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes);
 // changes the model or the optimisation (model dims, --layers, --moe,
 // --experts, --top-k, --mp, --batch (global), --seq, --seed, --lr,
 // --adam-eps, --clip, --data), keyed by the flag that sets it.
+// --reshard-after-forward as fully_shard takes it (resolve() checked it).
+fsdp::ReshardAfterForward reshard_after_forward_option(const TrainConfig& cfg);
+
 nlohmann::json numerics_json(const TrainConfig& cfg, int64_t data_bytes, uint64_t data_hash);
 
 // What a checkpoint records of its layout and --resume may change: the

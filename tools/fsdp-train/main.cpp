@@ -125,7 +125,8 @@ void print_banner(const TrainingRun& run, const fsdp::Runtime& rt, const Resumed
   const Corpus& corpus = run.corpus;
   const int64_t tokens_per_step = cfg.batch * cfg.seq;
   const std::string reshard =
-      cfg.reshard_after_forward_given ? fmt::format("{}", cfg.reshard_after_forward)
+      cfg.reshard_after_forward_given
+          ? fsdp::to_string(reshard_after_forward_option(cfg))
       : cfg.pipelined() ? std::string("false (the pipeline's default: gathered across microbatches)")
                         : std::string("every unit but the root (the default)");
   const std::string experts =

@@ -63,7 +63,7 @@ fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::Device
   options.shard_dim = "shard";
   if (cfg.hsdp()) options.replicate_dim = "replicate";
   // Unset unless given: FSDP2's default, every unit but the root.
-  if (cfg.reshard_after_forward_given) options.reshard_after_forward = cfg.reshard_after_forward;
+  if (cfg.reshard_after_forward_given) options.reshard_after_forward = reshard_after_forward_option(cfg);
   if (cfg.bf16()) {
     options.mp_policy.param_dtype = at::kBFloat16;
     options.mp_policy.reduce_dtype = at::kFloat;

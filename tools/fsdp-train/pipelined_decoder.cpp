@@ -37,7 +37,7 @@ ShardedDecoder shard_pipeline(const models::Decoder& net, const TrainConfig& cfg
   // Without an explicit --reshard-after-forward, the pipeline's default: the
   // units stay gathered across the microbatches of a step.
   stage_options.keep_reshard_after_forward =
-      cfg.reshard_after_forward_given && cfg.reshard_after_forward;
+      cfg.reshard_after_forward_given && cfg.reshard_after_forward == "true";
 
   ShardedDecoder d;
   auto local = std::make_shared<torch::nn::Module>("PipelineRank");
