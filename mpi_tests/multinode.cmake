@@ -116,3 +116,11 @@ set_tests_properties(multinode_fault_stall multinode_fault_mismatch_detail PROPE
 set_property(TEST multinode_fault_stall APPEND PROPERTY ENVIRONMENT FSDP_TIMEOUT=3)
 set_property(TEST multinode_fault_mismatch_detail APPEND PROPERTY ENVIRONMENT
              FSDP_TIMEOUT=30 FSDP_DEBUG=detail)
+
+# ---- hpZ's within_node() on real nodes ---------------------------------------
+# test_fully_shard_module_hpz.cpp: within_node() must pick each node's pair
+# (found with MPI_Comm_split_type by the test itself); the other hpZ cases
+# run as they do on one node.
+fsdp_add_multinode_test(NAME multinode_fully_shard_hpz
+  COMMAND $<TARGET_FILE:test_fully_shard_module> --run_test=test_reshard_after_forward_*
+  LABELS "L1" TIMEOUT 120)

@@ -29,6 +29,10 @@ const std::vector<ConfigSpec>& all_configs() {
       {"fsdp-reshard-all", Kind::Fsdp, true, false,
        "as fsdp, reshard_after_forward=true (the root too: one more all-gather per step)"},
       {"fsdp-no-reshard", Kind::Fsdp, false, false, "as fsdp, reshard_after_forward=false"},
+      {"fsdp-hpz", Kind::Fsdp, fsdp::ReshardAfterForward::within_node(), false,
+       "as fsdp-reshard-all with reshard_after_forward=within_node() (hpZ: between forward and "
+       "backward each rank keeps 1/(ranks on its node) of every layer, and backward "
+       "all-gathers within the node; on one node it is fsdp-reshard-all)"},
       {"fsdp-no-prefetch", Kind::Fsdp, {}, false,
        "as fsdp without forward prefetch (set_modules_to_forward_prefetch({}) on every unit: "
        "each unit's all-gather is issued at its own pre-forward)",

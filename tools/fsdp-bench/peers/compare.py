@@ -72,6 +72,11 @@ def parse_args(argv):
     p.add_argument("--mpiexec", default="mpiexec")
     p.add_argument("--mpiexec-args", default="",
                    help="extra mpiexec arguments (e.g. Open MPI --mca settings)")
+    p.add_argument("--launcher", default="",
+                   help="a command that starts the job itself instead of mpiexec -n N (e.g. "
+                        "'ci/cluster/fsdp-cluster --nodes 2 --ranks-per-node 2 --net netns "
+                        "--rate 10gbit --': the simulated cluster); its rank count must be "
+                        "the single --np; --mpiexec-args follow it")
     p.add_argument("--json", type=Path, help="write every launch's rows and the summary")
     p.add_argument("--plot", type=Path,
                    help="scaling plot (PNG, gnuplot): step time and peak / persistent bytes "
@@ -97,12 +102,16 @@ def parse_args(argv):
             p.error(f"--{name} {getattr(a, name)}: expected >= 1")
     if not os.access(a.fsdp_bench, os.X_OK):
         p.error(f"--fsdp-bench {a.fsdp_bench}: not an executable file")
+    if a.launcher and len(a.np) != 1:
+        p.error(f"--launcher starts its own rank count: give one --np (got {a.np})")
     if a.plot and shutil.which("gnuplot") is None:
         p.error("--plot needs gnuplot on PATH (Debian: gnuplot-nox)")
     return a
 
 
 def mpiexec(args, n):
+    if args.launcher:
+        return args.launcher.split() + args.mpiexec_args.split()
     cmd = [args.mpiexec, "-n", str(n)]
     if n > (os.cpu_count() or 1):
         cmd.append("--oversubscribe")

@@ -192,7 +192,9 @@ def parse_args():
     p.add_argument("--threads", type=positive, default=None,
                    help="intra-op threads per rank (default: cores / ranks per node, as "
                         "libfsdp's Runtime)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="gloo rendezvous address")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="gloo rendezvous address (default: $MASTER_ADDR, else 127.0.0.1; "
+                        "ci/cluster/fsdp-cluster sets it to node 0's)")
     p.add_argument("--master-port", type=positive,
                    default=int(os.environ.get("MASTER_PORT", 29517)),
                    help="gloo rendezvous port (default: $MASTER_PORT, else 29517)")
