@@ -219,7 +219,8 @@ def report(args, results):
              f"{'(MiB)':>8} {'(MiB)':>8} {'fsdp2':>8} {'per step':>10} {'':>9}")
     print("# libfsdp (fsdp-bench train) and PyTorch (torch_fsdp2.py) on the same pip LibTorch;"
           " step = slowest rank, median over rounds of each launch's median")
-    print("# vs fsdp2 / vs tddp: step time over torch-fsdp2's (torch-hsdp's for hsdp) / "
+    print("# vs fsdp2 / vs tddp: step time over torch-fsdp2's (torch-hsdp's for hsdp, "
+          "torch-fsdp2-hpz's for fsdp-hpz) / "
           "torch-ddp's at the same point; peak vs fsdp2: peak bytes per rank over the same peer's")
     print("#" + header[1:])
     print("#" + units[1:])
@@ -228,7 +229,8 @@ def report(args, results):
         fsdp2 = s.get("torch-fsdp2", {})
         tddp = s.get("torch-ddp", {})
         for c, v in s.items():
-            peer = s.get("torch-hsdp", {}) if c == "hsdp" else fsdp2
+            peer = (s.get("torch-hsdp", {}) if c == "hsdp" else
+                    s.get("torch-fsdp2-hpz", {}) if c == "fsdp-hpz" else fsdp2)
             vs_fsdp2 = ratio(v["step_ms"], peer.get("step_ms"))
             vs_ddp = ratio(v["step_ms"], tddp.get("step_ms"))
             peak_vs = ratio(v["peak_bytes"], peer.get("peak_bytes"))
@@ -269,6 +271,9 @@ def point_targets(model, n, dtype, s):
     target("fsdp step vs torch-ddp", ratio(step("fsdp"), step("torch-ddp")), STEP_TARGET_DDP)
     if "hsdp" in s:
         target("hsdp step vs torch-hsdp", ratio(step("hsdp"), step("torch-hsdp")),
+               STEP_TARGET_FSDP2)
+    if "fsdp-hpz" in s and "torch-fsdp2-hpz" in s:
+        target("fsdp-hpz step vs torch-fsdp2-hpz", ratio(step("fsdp-hpz"), step("torch-fsdp2-hpz")),
                STEP_TARGET_FSDP2)
     target("fsdp peak bytes vs torch-fsdp2",
            ratio(s.get("fsdp", {}).get("peak_bytes"), s.get("torch-fsdp2", {}).get("peak_bytes")),

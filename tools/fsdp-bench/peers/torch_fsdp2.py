@@ -20,6 +20,8 @@ step in one process, like the C++ harness's ``time_interleaved``):
                        (embedding, tied output, final norm), 1-D mesh,
                        reshard_after_forward left at its default
   torch-fsdp2-reshard  as torch-fsdp2, reshard_after_forward=True everywhere
+  torch-fsdp2-hpz      as torch-fsdp2-reshard with reshard_after_forward = the ranks on
+                       this node (FSDP2's int form; True where one node holds the world)
                        (the root too)
   torch-hsdp           as torch-fsdp2 on a (replicate = W/2, shard = 2) mesh
 
@@ -104,8 +106,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.profiler import ProfilerActivity, profile, record_function
 
-CONFIGS = ("single", "torch-ddp", "torch-fsdp2", "torch-fsdp2-reshard", "torch-hsdp")
-FSDP_CONFIGS = ("torch-fsdp2", "torch-fsdp2-reshard", "torch-hsdp")
+CONFIGS = ("single", "torch-ddp", "torch-fsdp2", "torch-fsdp2-reshard", "torch-fsdp2-hpz",
+           "torch-hsdp")
+FSDP_CONFIGS = ("torch-fsdp2", "torch-fsdp2-reshard", "torch-fsdp2-hpz", "torch-hsdp")
 MIB = 1024.0 * 1024.0
 
 
@@ -345,6 +348,10 @@ class Trainer:
             kwargs = {"mesh": meshes[key]}
             if key == "torch-fsdp2-reshard":
                 kwargs["reshard_after_forward"] = True
+            if key == "torch-fsdp2-hpz":
+                # FSDP2 takes an int that is a proper divisor of the shard size.
+                kwargs["reshard_after_forward"] = (LOCAL_SIZE if 1 < LOCAL_SIZE < WORLD
+                                                   else True)
             if args.param_dtype == "bfloat16":
                 kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                            reduce_dtype=torch.float32)
@@ -414,9 +421,9 @@ class Trainer:
 
 def build_meshes(keys):
     meshes = {}
-    if "torch-fsdp2" in keys or "torch-fsdp2-reshard" in keys:
+    if {"torch-fsdp2", "torch-fsdp2-reshard", "torch-fsdp2-hpz"} & set(keys):
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
-        meshes["torch-fsdp2"] = meshes["torch-fsdp2-reshard"] = mesh
+        meshes["torch-fsdp2"] = meshes["torch-fsdp2-reshard"] = meshes["torch-fsdp2-hpz"] = mesh
     if "torch-hsdp" in keys:
         meshes["torch-hsdp"] = init_device_mesh("cpu", (WORLD // 2, 2),
                                                 mesh_dim_names=("replicate", "shard"))
