@@ -75,3 +75,12 @@ foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "tp:--tp;2" "pp:--pp;2" "moe:--moe;--e
   set_tests_properties(multinode_train_${_id} PROPERTIES
     FAIL_REGULAR_EXPRESSION "verify: max .*: FAIL")
 endforeach()
+
+# ---- node topology and cross-node bytes (test_node_topology) ----------------
+# num_nodes() == 2, node_of against the nodes' hostnames, groups inside a node
+# with arenas and 0 cross-node bytes, the world group's exact pairwise bytes,
+# HSDP 2x2 whose shard groups stay inside the nodes.
+fsdp_add_multinode_test(NAME multinode_node_topology
+  COMMAND $<TARGET_FILE:test_node_topology>
+  LABELS "L0" TIMEOUT 180
+  ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")

@@ -37,6 +37,8 @@ enum class SideGroup { Reduction, Checkpoint };
 // communicator and comm thread. Cached; the first call is collective over
 // the group's members.
 ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose);
+// Every group created so far, side groups included (group_summaries).
+std::vector<ProcessGroupPtr> all_groups();
 void init_group_registry();
 void shutdown_group_registry();
 
