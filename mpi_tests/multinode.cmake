@@ -84,3 +84,10 @@ fsdp_add_multinode_test(NAME multinode_node_topology
   COMMAND $<TARGET_FILE:test_node_topology>
   LABELS "L0" TIMEOUT 180
   ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")
+# The same with mpirun --map-by node: ranks 0, 2 on one node and 1, 3 on the
+# other, so node_of is not rank / 2, the world group's ring always crosses,
+# and init_node_mesh refuses the layout.
+fsdp_add_multinode_test(NAME multinode_node_topology_map_by_node
+  COMMAND --map-by node $<TARGET_FILE:test_node_topology>
+  LABELS "L0" TIMEOUT 180
+  ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")

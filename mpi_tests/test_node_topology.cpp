@@ -14,6 +14,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
 #include <fsdp/runtime.h>
+#include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -265,4 +266,84 @@ BOOST_AUTO_TEST_CASE(hsdp_2x2_shards_inside_nodes_without_cross_node_bytes,
   } else {
     BOOST_TEST(c.total_cross_node_bytes() == 0);
   }
+}
+
+// init_node_mesh: within-node dims stay on one host, across-node dims step
+// between hosts; layouts that cannot be laid out so are refused.
+BOOST_AUTO_TEST_CASE(node_mesh_keeps_inner_dims_inside_a_node) {
+  const auto node = expected_nodes();
+  const auto hosts = hostnames();
+  const int world = spmd::world_size(), nodes = distinct(node);
+  auto expect_mesh_error = [](const std::string& argument, const std::string& dim, auto&& build) {
+    try {
+      build();
+      BOOST_ERROR("no MeshError naming '" << argument << "' (dim '" << dim << "')");
+    } catch (const fsdp::MeshError& e) {
+      BOOST_TEST(e.argument() == argument, e.what());
+      BOOST_TEST(std::string(e.what()).find("'" + dim + "'") != std::string::npos, e.what());
+    }
+  };
+  if (!nodes_are_consecutive_blocks(node)) {
+    // e.g. mpirun --map-by node: a node's ranks are not consecutive.
+    expect_mesh_error("within_node", "shard", [] {
+      fsdp::init_node_mesh(c10::kCPU, {{"shard", -1}}, {{"replicate", -1}});
+    });
+    return;
+  }
+  const int64_t per_node = world / nodes;
+  // Every member of `g` on this rank's host.
+  auto on_my_host = [&](const fsdp::ProcessGroupPtr& g) {
+    for (int w : g->world_ranks()) {
+      if (hosts[static_cast<size_t>(w)] != hosts[static_cast<size_t>(spmd::rank())]) return false;
+    }
+    return true;
+  };
+  auto hsdp = fsdp::init_node_mesh(c10::kCPU, {{"shard", -1}}, {{"replicate", -1}});
+  BOOST_TEST((hsdp.shape() == std::vector<int64_t>{nodes, per_node}));
+  BOOST_TEST((hsdp.dim_names() == std::vector<std::string>{"replicate", "shard"}));
+  BOOST_TEST(on_my_host(hsdp.get_group("shard")));
+  BOOST_TEST(hsdp.get_group("shard")->num_nodes() == 1);
+  BOOST_TEST(hsdp.get_group("replicate")->num_nodes() == nodes);
+  if (per_node % 2 == 0) {
+    auto dp_tp = fsdp::init_node_mesh(c10::kCPU, {{"tp", 2}}, {{"dp", -1}});
+    BOOST_TEST((dp_tp.shape() == std::vector<int64_t>{world / 2, 2}));
+    BOOST_TEST(on_my_host(dp_tp.get_group("tp")));
+  }
+  // A within-node dim larger than a node, named in the error.
+  expect_mesh_error("within_node", "tp", [&] {
+    fsdp::init_node_mesh(c10::kCPU, {{"tp", per_node + 1}}, {{"dp", -1}});
+  });
+  expect_mesh_error("within_node", "b", [] {
+    fsdp::init_node_mesh(c10::kCPU, {{"a", -1}, {"b", -1}}, {});
+  });
+  expect_mesh_error("within_node", "tp", [] {
+    fsdp::init_node_mesh(c10::kCPU, {{"tp", 0}}, {{"dp", -1}});
+  });
+  // Across-node sizes that do not cover the world.
+  expect_mesh_error("across_nodes", "replicate", [&] {
+    fsdp::init_node_mesh(c10::kCPU, {{"shard", -1}}, {{"replicate", nodes + 1}});
+  });
+}
+
+// A tp dim whose group spans nodes is refused unless FSDP_TP_ACROSS_NODES=1.
+BOOST_AUTO_TEST_CASE(tp_across_nodes_is_refused_unless_asked) {
+  const auto node = expected_nodes();
+  auto tp = fsdp::init_device_mesh(c10::kCPU, {spmd::world_size()}, {"tp"});
+  const bool spans = distinct(node) > 1;
+  at::Tensor x = at::ones({2, 4});
+  unsetenv("FSDP_TP_ACROSS_NODES");
+  if (spans) {
+    try {
+      (void)fsdp::tp::copy_to_tp(x, tp);
+      BOOST_ERROR("copy_to_tp on a tp group across nodes did not throw");
+    } catch (const fsdp::MeshError& e) {
+      BOOST_TEST(e.argument() == "tp");
+      BOOST_TEST(std::string(e.what()).find("'tp'") != std::string::npos, e.what());
+    }
+  }
+  setenv("FSDP_TP_ACROSS_NODES", "1", 1);
+  at::Tensor y = fsdp::tp::copy_to_tp(x, tp);  // forward: identity, no communication
+  BOOST_TEST(at::equal(y, x));
+  unsetenv("FSDP_TP_ACROSS_NODES");
+  if (!spans) BOOST_TEST(at::equal(fsdp::tp::copy_to_tp(x, tp), x));
 }
