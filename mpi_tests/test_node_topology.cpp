@@ -15,6 +15,7 @@
 #include <fsdp/mesh.h>
 #include <fsdp/runtime.h>
 #include <fsdp/tensor_parallel.h>
+#include <fsdp/trace.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -24,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -346,4 +349,22 @@ BOOST_AUTO_TEST_CASE(tp_across_nodes_is_refused_unless_asked) {
   BOOST_TEST(at::equal(y, x));
   unsetenv("FSDP_TP_ACROSS_NODES");
   if (!spans) BOOST_TEST(at::equal(fsdp::tp::copy_to_tp(x, tp), x));
+}
+
+// With FSDP_TRACE set (the np2 entry sets it), a collective's span on its
+// communication thread names the algorithm that ran and its cross-node bytes.
+BOOST_AUTO_TEST_CASE(trace_spans_carry_algorithm_and_cross_node_bytes,
+                     *spmd::skip_unless([] { return fsdp::trace::enabled(); },
+                                        "FSDP_TRACE is not set")) {
+  KeepSettings keep;
+  use(CpuAlgorithm::Pairwise);
+  auto world = fsdp::world_group();
+  at::Tensor in = at::full({64}, 1.0f);
+  at::Tensor out = at::empty({64 * world->size()});
+  world->all_gather_into_tensor(out, in, /*async_op=*/true)->wait();
+  fsdp::trace::flush();
+  std::ifstream f(fsdp::trace::file_path());
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  BOOST_TEST(text.find("\"algorithm\":\"pairwise\"") != std::string::npos);
+  BOOST_TEST(text.find("\"cross_node_bytes\":") != std::string::npos);
 }
