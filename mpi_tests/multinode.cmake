@@ -91,3 +91,11 @@ fsdp_add_multinode_test(NAME multinode_node_topology_map_by_node
   COMMAND --map-by node $<TARGET_FILE:test_node_topology>
   LABELS "L0" TIMEOUT 180
   ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")
+# fsdp-train --comm-report on HSDP 2x2: node 1's first rank (2) reports, and
+# its shard group {2,3} has an arena and sent nothing across nodes.
+fsdp_add_multinode_test(NAME multinode_train_comm_report
+  COMMAND $<TARGET_FILE:fsdp-train> --steps 2 --seq 64 --batch 8 --mesh 2x2 --comm-report
+          --out ${CMAKE_CURRENT_BINARY_DIR}/multinode-train-comm-report
+  LABELS "train" TIMEOUT 240)
+set_tests_properties(multinode_train_comm_report PROPERTIES
+  PASS_REGULAR_EXPRESSION "\\[node 1 rank 2\\]   ranks\\[2,3\\]: 1 node, shm arena[^\n]*; cross-node 0 B")

@@ -61,7 +61,9 @@ std::vector<int> expected_nodes() {
   return out;
 }
 
-int distinct(const std::vector<int>& v) { return static_cast<int>(std::set<int>(v.begin(), v.end()).size()); }
+int distinct(const std::vector<int>& v) {
+  return static_cast<int>(std::set<int>(v.begin(), v.end()).size());
+}
 
 // Restores the start-up algorithm after each case.
 struct KeepSettings {
@@ -101,7 +103,8 @@ BOOST_AUTO_TEST_CASE(topology_matches_hostnames) {
   const fsdp::Runtime& rt = spmd::runtime();
   BOOST_TEST(rt.num_nodes() == distinct(want));
   if (const char* e = std::getenv("FSDP_EXPECT_NODES"); e != nullptr && *e != '\0') {
-    BOOST_TEST(rt.num_nodes() == std::atoi(e), "num_nodes " << rt.num_nodes() << ", launched on " << e);
+    BOOST_TEST(rt.num_nodes() == std::atoi(e),
+               "num_nodes " << rt.num_nodes() << ", launched on " << e);
   }
   for (int r = 0; r < spmd::world_size(); ++r) {
     BOOST_TEST(rt.node_of(r) == want[static_cast<size_t>(r)], "node_of(" << r << ")");

@@ -118,7 +118,9 @@ void count_cross_node(const std::string& op, const std::string& group,
   }
 }
 
-void report_cross_node_bytes(int64_t bytes) { tl_reported = std::max<int64_t>(tl_reported, 0) + bytes; }
+void report_cross_node_bytes(int64_t bytes) {
+  tl_reported = std::max<int64_t>(tl_reported, 0) + bytes;
+}
 
 void begin_reported_cross_node_bytes() { tl_reported = -1; }
 

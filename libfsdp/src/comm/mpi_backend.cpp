@@ -142,8 +142,9 @@ class MpiBackend final : public Backend {
       const CpuAlgorithm algorithm = choice.plain;
       const int64_t es = static_cast<int64_t>(in.element_size());
       const int64_t model = algorithm == CpuAlgorithm::Ring ? cross_.ring_all_gather(in.numel(), es)
-                            : algorithm == CpuAlgorithm::Shm ? 0
-                                                             : cross_.pairwise_all_gather(in.numel(), es);
+                            : algorithm == CpuAlgorithm::Shm
+                                ? 0
+                                : cross_.pairwise_all_gather(in.numel(), es);
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::all_gather(peers_, algorithm, out, in);
         account("all_gather", algorithm, model);  // after: the algorithm may report its bytes
@@ -265,7 +266,8 @@ class MpiBackend final : public Backend {
     // Split sizes may differ by rank: the check compares op and dtype only.
     return submit("all_to_all", in, -1, -1, async_op, [this, out, in, dt, sc, sd, rc, rd] {
       std::vector<int64_t> to(sc->size());
-      for (size_t r = 0; r < to.size(); ++r) to[r] = (*sc)[r] * static_cast<int64_t>(in.element_size());
+      const auto es = static_cast<int64_t>(in.element_size());
+      for (size_t r = 0; r < to.size(); ++r) to[r] = (*sc)[r] * es;
       count_cross_node("all_to_all", group_name_, "p2p", cross_.to_peers(to), false);
       check_mpi(MPI_Alltoallv(in.data_ptr(), sc->data(), sd->data(), dt, out.data_ptr(),
                               rc->data(), rd->data(), dt, comm_),

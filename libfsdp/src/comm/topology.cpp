@@ -46,7 +46,9 @@ std::vector<int> nodes_of_comm(MPI_Comm comm) {
   check_mpi(rc, "MPI_Group_translate_ranks");
   for (int i = 0; i < size; ++i) {
     const int w = in_world[static_cast<size_t>(i)];
-    if (w >= 0 && w < static_cast<int>(map.size())) nodes[static_cast<size_t>(i)] = map[static_cast<size_t>(w)];
+    if (w >= 0 && w < static_cast<int>(map.size())) {
+      nodes[static_cast<size_t>(i)] = map[static_cast<size_t>(w)];
+    }
   }
   return nodes;
 }

@@ -38,7 +38,9 @@ struct CrossNodeModel {
   std::vector<int> nodes;  // node of each group rank
   int rank = 0;
   // Peers of `rank` on another node.
-  bool remote(int peer) const { return nodes[static_cast<size_t>(peer)] != nodes[static_cast<size_t>(rank)]; }
+  bool remote(int peer) const {
+    return nodes[static_cast<size_t>(peer)] != nodes[static_cast<size_t>(rank)];
+  }
   int size() const { return static_cast<int>(nodes.size()); }
 
   // Pairwise: this rank's block to every peer.

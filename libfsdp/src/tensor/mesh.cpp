@@ -509,8 +509,9 @@ DeviceMesh init_node_mesh(c10::DeviceType device_type,
   if (product(outer) * block != world) {
     std::string dims;
     for (const auto& d : across_nodes) dims += (dims.empty() ? "'" : ", '") + d.first + "'";
-    throw MeshError("across_nodes", "init_node_mesh: 'across_nodes' dims " +
-                                        (dims.empty() ? std::string("(none)") : dims) + " of sizes (" + join(outer) +
+    if (dims.empty()) dims = "(none)";
+    throw MeshError("across_nodes", "init_node_mesh: 'across_nodes' dims " + dims +
+                                        " of sizes (" + join(outer) +
                                         ") times the within-node ones (" + join(inner) +
                                         ") cover " + std::to_string(product(outer) * block) +
                                         " ranks but the world has " + std::to_string(world));
