@@ -248,8 +248,9 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const int count = to_int(t.numel(), "tensor");
     return submit("broadcast", t, count, root, async_op, [this, t, dt, count, root] {
-      // Open MPI's tree is not visible: modelled as the root sending to
-      // every remote rank (the least a broadcast must cross, per node).
+      // Open MPI's tree is not visible: modelled as a flat broadcast, the
+      // root sending to every remote rank (an upper bound: a tree that
+      // forwards inside a node crosses less).
       std::vector<int64_t> to(static_cast<size_t>(size_), 0);
       if (peers_.rank == root) to.assign(to.size(), static_cast<int64_t>(t.nbytes()));
       count_cross_node("broadcast", group_name_, "mpi", cross_.to_peers(to), true);
