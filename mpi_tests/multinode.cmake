@@ -124,3 +124,32 @@ set_property(TEST multinode_fault_mismatch_detail APPEND PROPERTY ENVIRONMENT
 fsdp_add_multinode_test(NAME multinode_fully_shard_hpz
   COMMAND $<TARGET_FILE:test_fully_shard_module> --run_test=test_reshard_after_forward_*
   LABELS "L1" TIMEOUT 120)
+
+# ---- node topology and cross-node bytes (test_node_topology) ----------------
+# num_nodes() == 2, node_of against the nodes' hostnames, groups inside a node
+# with arenas and 0 cross-node bytes, the world group's exact pairwise bytes,
+# HSDP 2x2 whose shard groups stay inside the nodes.
+fsdp_add_multinode_test(NAME multinode_node_topology
+  COMMAND $<TARGET_FILE:test_node_topology>
+  LABELS "L0" TIMEOUT 180
+  ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")
+# The same with mpirun --map-by node: ranks 0, 2 on one node and 1, 3 on the
+# other, so node_of is not rank / 2, the world group's ring always crosses,
+# and init_node_mesh refuses the layout.
+fsdp_add_multinode_test(NAME multinode_node_topology_map_by_node
+  COMMAND --map-by node $<TARGET_FILE:test_node_topology>
+  LABELS "L0" TIMEOUT 180
+  ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")
+# fsdp-train --comm-report on HSDP 2x2: node 1's first rank (2) reports, and
+# its shard group {2,3} has an arena and sent nothing across nodes.
+# RunAndCheck: the exit status and the line both (a PASS_REGULAR_EXPRESSION
+# alone would ignore the status).
+add_test(NAME multinode_train_comm_report
+         COMMAND ${CMAKE_COMMAND}
+                 "-DCMD=${FSDP_CLUSTER};--net;netns;--rate;10gbit;--timeout;200;--;$<TARGET_FILE:fsdp-train>;--steps;2;--seq;64;--batch;8;--mesh;2x2;--comm-report;--out;${CMAKE_CURRENT_BINARY_DIR}/multinode-train-comm-report"
+                 -DEXPECT=zero
+                 "-DREGEX=\\[node 1 rank 2\\]   ranks\\[2,3\\]: 1 node, shm arena[^\n]*; cross-node 0 B"
+                 -P ${PROJECT_SOURCE_DIR}/cmake/RunAndCheck.cmake)
+set_tests_properties(multinode_train_comm_report PROPERTIES
+  LABELS "cpu;multinode;nodes2;train" TIMEOUT 240 PROCESSORS 4 RESOURCE_LOCK fsdp_cluster
+  ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;FSDP_NUM_THREADS=1")

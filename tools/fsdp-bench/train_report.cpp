@@ -325,6 +325,32 @@ std::vector<Column> columns() {
   };
 }
 
+// Inter-node bytes per step per group (every rank's sends to other nodes,
+// summed): what the layout costs on the slow links. DDP's raw MPI_Allreduce
+// is not a libfsdp collective and is not counted.
+void summarize_cross_node(Report& report, const Plan& plan, const Results& r) {
+  nlohmann::json by_config = nlohmann::json::object();
+  std::string text;
+  for (size_t i = 0; i < plan.specs.size() && i < r.cross_node.size(); ++i) {
+    nlohmann::json groups = nlohmann::json::object();
+    std::string parts;
+    for (const auto& [name, bytes] : r.cross_node[i]) {
+      groups[name] = bytes;
+      if (bytes > 0) {
+        parts += fmt::format("{}{} {:.2f} MiB", parts.empty() ? "" : ", ", name,
+                             static_cast<double>(bytes) / kMiB);
+      }
+    }
+    by_config[plan.specs[i].key] = groups;
+    text += fmt::format("{}{}: {}", text.empty() ? "" : "; ", plan.specs[i].key,
+                        parts.empty() ? std::string("0") : parts);
+  }
+  report.summary("cross_node_bytes_per_step", by_config,
+                 fmt::format("inter-node bytes per step by group ({} node(s), all ranks' sends "
+                             "to other nodes; DDP's raw all-reduce not counted): {}",
+                             r.num_nodes, text));
+}
+
 void describe_run(Report& report, const Plan& plan, const Options& o, const fsdp::Runtime& rt) {
   describe_model(report, plan, o);
   add_runtime_meta(report, rt);
@@ -342,6 +368,7 @@ void report_results(Report& report, const Plan& plan,
   if (plan.any_pp) summarize_pipelines(report, plan, r, b);
   if (plan.any_ep) summarize_experts(report, plan, r, b);
   summarize_memory_target(report, plan, r, b);
+  summarize_cross_node(report, plan, r);
 }
 
 }  // namespace fsdp_bench::train

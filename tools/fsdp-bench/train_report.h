@@ -9,7 +9,9 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace fsdp_bench::train {
@@ -29,6 +31,11 @@ struct Results {
   // AG, RS, AR off the tp group, the same on it, bytes (one untimed step).
   std::vector<std::array<int64_t, 7>> comm_counts;
   std::vector<int64_t> all_to_alls;  // the expert-parallel config's dispatch and combine
+  // Per config, group name -> bytes sent to ranks on other nodes in one
+  // (untimed) step, summed over every rank of the group
+  // (fsdp::CollectiveCounters::cross_node_bytes); filled on rank 0 only.
+  std::vector<std::map<std::string, int64_t>> cross_node;
+  int num_nodes = 1;  // fsdp::Runtime::num_nodes()
 };
 
 std::vector<Column> columns();

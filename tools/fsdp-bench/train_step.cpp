@@ -43,6 +43,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -208,6 +209,36 @@ void measure_bubbles_and_phases(const std::vector<std::unique_ptr<Trainer>>& tra
   }
 }
 
+// Every rank's `mine` (group name -> bytes) summed by name on rank 0 of
+// `comm` (empty elsewhere): a rank only knows the groups it is in.
+std::map<std::string, int64_t> sum_by_name(const std::map<std::string, int64_t>& mine,
+                                           MPI_Comm comm) {
+  std::string text;
+  for (const auto& [name, bytes] : mine) text += name + "\t" + std::to_string(bytes) + "\n";
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  const int len = static_cast<int>(text.size());
+  std::vector<int> lens(static_cast<size_t>(size)), displs(static_cast<size_t>(size));
+  MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, comm);
+  int total = 0;
+  for (int r = 0; r < size; ++r) {
+    displs[static_cast<size_t>(r)] = total;
+    total += lens[static_cast<size_t>(r)];
+  }
+  std::string all(static_cast<size_t>(rank == 0 ? total : 0), '\0');
+  MPI_Gatherv(text.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0,
+              comm);
+  std::map<std::string, int64_t> out;
+  size_t at = 0;
+  while (at < all.size()) {
+    const size_t tab = all.find('\t', at), end = all.find('\n', tab);
+    out[all.substr(at, tab - at)] += std::stoll(all.substr(tab + 1, end - tab - 1));
+    at = end + 1;
+  }
+  return out;
+}
+
 // One more (untimed) step per config to count its collectives: AG, RS, AR
 // off the tp group, the same on it, bytes; and the all-to-alls (the
 // expert-parallel config's dispatch and combine).
@@ -216,6 +247,7 @@ void count_collectives(const std::vector<std::unique_ptr<Trainer>>& trainers,
   const size_t n = trainers.size();
   r.comm_counts.resize(n);
   r.all_to_alls.assign(n, 0);
+  r.cross_node.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
     MPI_Barrier(comm);
     fsdp::reset_collective_counters();
@@ -233,6 +265,9 @@ void count_collectives(const std::vector<std::unique_ptr<Trainer>>& trainers,
                   ar = on_tp("all_reduce");
     r.comm_counts[i] = {c.total("all_gather") - ag, c.total("reduce_scatter") - rs,
                         c.total("all_reduce") - ar, ag, rs, ar, bytes};
+    std::map<std::string, int64_t> cross;
+    for (const auto& [key, sent] : c.cross_node_bytes) cross[key.second] += sent;
+    r.cross_node[i] = sum_by_name(cross, comm);
   }
 }
 
@@ -259,6 +294,7 @@ int run(Options o, const fsdp::Runtime& rt) {
   measure_losses_and_memory(trainers, timed, world, comm, results);
   measure_bubbles_and_phases(trainers, meshes, comm, results);
   count_collectives(trainers, data, comm, results);
+  results.num_nodes = rt.num_nodes();
 
   report_results(report, *plan, trainers, results, world);
   report.finish();

@@ -316,6 +316,10 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--verify-tol", cfg.verify_tol,
                  "max |loss difference| and |parameter difference| for --verify [default: 1e-4 "
                  "fp32, 1e-3 bf16]");
+  app.add_flag("--comm-report", cfg.comm_report,
+               "at the end, print every process group's communication (nodes spanned, "
+               "shared-memory arena, algorithms run, bytes this rank sent to other nodes) on "
+               "rank 0 and on the first rank of every other node (fsdp::describe_groups)");
   app.add_option("--log-every", cfg.log_every,
                  "progress line every N steps [default: 1, or steps/100 above 200 steps]");
 }

@@ -63,6 +63,7 @@ struct TrainConfig {
   bool resume = false;
   bool verify = false;
   double verify_tol = 0.0;  // 0 = default for the precision
+  bool comm_report = false;  // --comm-report: per-group communication summary at the end
   int64_t log_every = 0;    // 0 = automatic
 
   // Resolved by resolve().

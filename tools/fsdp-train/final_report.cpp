@@ -8,6 +8,8 @@
 #include "train_checkpoint.h"
 #include "verify.h"
 
+#include <fsdp/comm.h>
+
 #include <ATen/ops/equal.h>
 
 #include <fmt/format.h>
@@ -197,6 +199,27 @@ int verify_run(const TrainingRun& run, const LossLog* log, std::vector<Curve>& c
   if (run.lead) status = verify_on_lead(run, log->rows(), params_now, curves);
   idle_barrier();
   return status;
+}
+
+void print_comm_report(const fsdp::Runtime& rt) {
+  const int rank = rt.world_rank(), node = rt.node_index();
+  bool first_of_node = true;
+  for (int r = 0; r < rank; ++r) first_of_node = first_of_node && rt.node_of(r) != node;
+  if (!first_of_node) return;
+  const std::string prefix = fmt::format("[node {} rank {}] ", node, rank);
+  std::string text = prefix + fmt::format("comm report: {} node(s); per group, what this rank "
+                                          "ran and sent to other nodes\n",
+                                          rt.num_nodes());
+  std::string groups = fsdp::describe_groups();
+  size_t at = 0;
+  while (at < groups.size()) {
+    const size_t end = groups.find('\n', at);
+    text += prefix + "  " + groups.substr(at, end - at) + "\n";
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  // One write, so ranks on different nodes do not interleave within it.
+  std::cout << text << std::flush;
 }
 
 void print_outputs(const TrainingRun& run, const std::vector<Curve>& curves) {

@@ -7,6 +7,8 @@
 #include "progress.h"
 #include "training_run.h"
 
+#include <fsdp/runtime.h>
+
 #include <vector>
 
 namespace fsdp_train {
@@ -20,6 +22,12 @@ constexpr int kVerifyFailed = 3;
 // other ranks). `log`: rank 0's loss.csv; rank 0 adds the reference's
 // curve to `curves`.
 int verify_run(const TrainingRun& run, const LossLog* log, std::vector<Curve>& curves);
+
+// --comm-report: fsdp::describe_groups() on rank 0 and on the first (lowest)
+// rank of every other node, each line prefixed with "[node N rank R]" (the
+// counters are per rank: one rank per node shows what that node sent).
+// Never communicates.
+void print_comm_report(const fsdp::Runtime& rt);
 
 // Rank 0: loss.png from `curves`, then the outputs' paths.
 void print_outputs(const TrainingRun& run, const std::vector<Curve>& curves);

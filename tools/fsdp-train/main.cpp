@@ -213,6 +213,8 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   std::vector<Curve> curves{{cfg.out + "/loss.csv",
                              fmt::format("fsdp-train: {} ranks, mesh {}, {}", world,
                                          cfg.mesh_string(), cfg.mp)}};
+  // Before --verify, whose parameter gathers are not training's traffic.
+  if (cfg.comm_report) print_comm_report(rt);
   const int status = cfg.verify ? verify_run(run, log.get(), curves) : 0;
   if (lead) print_outputs(run, curves);
   return status;

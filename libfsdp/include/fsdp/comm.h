@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace fsdp {
@@ -186,6 +187,16 @@ class ProcessGroup {
   // plain at::empty. Freed with the tensor, on any thread.
   virtual at::Tensor empty_for_collectives(at::IntArrayRef sizes,
                                            const at::TensorOptions& options);
+
+  // How many nodes the members sit on (Runtime::node_of of each world rank;
+  // 1 without a live Runtime). Never communicates.
+  virtual int num_nodes() const;
+  // Whether the group's CPU collectives have a shared-memory arena (ranks on
+  // one node, more than one rank, /dev/shm usable and FSDP_SHM_BYTES not 0):
+  // only then can they run `shm`. False for any group that spans nodes.
+  virtual bool has_shared_memory() const { return false; }
+  // Bytes backing this rank's segment of that arena now (0 without one).
+  virtual int64_t shared_memory_committed() const { return 0; }
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 
@@ -224,12 +235,60 @@ struct CollectiveCounters {
   // Issue order since the last reset (capped at 100000 records).
   std::vector<CollectiveRecord> sequence;
 
+  // Where the bytes went, counted when a collective runs (on its comm
+  // thread for CPU tensors, at issue for NCCL), before its Work completes.
+  // (op, group, algorithm) -> runs. algorithm: what actually ran for CPU
+  // tensors ("mpi", "ring", "pairwise", "shm"; a shm run that fell back to
+  // pairwise for a full arena still counts as "shm"), "nccl" for CUDA
+  // tensors; "p2p" for send/recv/all_to_all, "mpi" for broadcast/barrier.
+  std::map<std::tuple<std::string, std::string, std::string>, int64_t> algorithm_count;
+  // (op, group) -> bytes THIS rank sent to ranks on other nodes
+  // (Runtime::node_of). Exact for libfsdp's own algorithms (pairwise: its
+  // block to each remote peer; ring: a block per step to its right neighbour
+  // when that one is remote; shm: 0, it runs inside one node) and for
+  // point-to-point and all_to_all. Modelled where libfsdp cannot see the
+  // schedule: Open MPI's collectives as the pairwise exchange, broadcast as
+  // the root sending to every remote rank, NCCL as a ring in group-rank order.
+  std::map<std::pair<std::string, std::string>, int64_t> cross_node_bytes;
+  // (op, group) -> the part of cross_node_bytes that is modelled.
+  std::map<std::pair<std::string, std::string>, int64_t> modelled_cross_node_bytes;
+
   // Total of one op over all groups (or one group if group is non-empty).
   int64_t total(const std::string& op, const std::string& group = "") const;
+  // Cross-node bytes of one op ("" = every op) over all groups (or one group).
+  int64_t total_cross_node_bytes(const std::string& op = "", const std::string& group = "") const;
+  // Runs of `algorithm` for one op ("" = every op) on one group ("" = every group).
+  int64_t runs(const std::string& algorithm, const std::string& op = "",
+               const std::string& group = "") const;
 };
 
 CollectiveCounters collective_counters();
 void reset_collective_counters();
+
+// ---- Per-group communication summary --------------------------------------
+// One entry per process group libfsdp has created on this rank (a group and
+// its side communicators -- fully_shard's reduction group, a checkpoint's --
+// share the name and are merged), with what the counters saw since their
+// last reset.
+struct GroupSummary {
+  std::string name;              // "ranks[0,1]"
+  std::vector<int> world_ranks;  // members, in group-rank order
+  int num_nodes = 1;             // nodes the members sit on
+  int communicators = 1;         // this group's communicators (group + side groups)
+  bool has_shared_memory = false;       // any of them has a shared-memory arena
+  int64_t shared_memory_committed = 0;  // bytes of this rank's segments now
+  // (op, algorithm) -> runs, from CollectiveCounters::algorithm_count.
+  std::map<std::pair<std::string, std::string>, int64_t> algorithms;
+  int64_t cross_node_bytes = 0;           // this rank, every op
+  int64_t modelled_cross_node_bytes = 0;  // the modelled part of it
+};
+// Sorted by name. Empty without a live Runtime. Never communicates.
+std::vector<GroupSummary> group_summaries();
+// group_summaries() as text, one line per group:
+//   "ranks[0,1]: 1 node, shm arena 4.0 MiB; all_gather shm x12, reduce_scatter
+//    pairwise x3; cross-node 0 B"
+// (cross-node bytes marked "(modelled N B)" where part is modelled).
+std::string describe_groups();
 
 // One line per collective issued on this process that has not completed yet
 // ("all_gather on ranks[0,1] #12 (mpi), 4096 B, issued by FSDP unit 'layers.0',

@@ -23,6 +23,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
@@ -124,6 +125,33 @@ DeviceMesh init_device_mesh(c10::DeviceType device_type, const std::vector<int64
 // device_type as a string: "cpu" or "cuda".
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& shape,
                             const std::vector<std::string>& dim_names = {});
+
+// A mesh laid out on the nodes (Runtime::num_nodes): the dims of
+// `across_nodes` (outermost first) step from node to node, the dims of
+// `within_node` (innermost last) stay inside one node, so a within-node dim's
+// groups never leave a node and can use its shared memory. Each entry is
+// (dim name, size); one size per list may be -1: what is left (within: the
+// ranks per node over the other within dims; across: the world over
+// everything else). The mesh is init_device_mesh(device_type, across sizes
+// then within sizes, the names in that order).
+//
+//   HSDP, shard inside a node, replicate across:
+//     init_node_mesh(kCPU, {{"shard", -1}}, {{"replicate", -1}})
+//   (dp, tp) with tp inside a node (tp 2, dp whatever is left):
+//     init_node_mesh(kCPU, {{"tp", 2}}, {{"dp", -1}})
+//
+// Needs every node to hold the same number of ranks R, as consecutive world
+// ranks (node k: ranks k*R .. k*R+R-1; mpirun's default by-slot mapping).
+// Throws MeshError naming 'within_node' -- its message names the dim -- when
+// that is not so (the first within-node dim's groups would span nodes), when
+// the within-node sizes do not divide R (the dim that stops fitting), or for
+// an entry < 1 other than -1, more than one -1, or an empty list; naming
+// 'across_nodes' when the sizes do not cover the world (or two -1); the
+// name and device errors of init_device_mesh otherwise. Collective over
+// MPI_COMM_WORLD like init_device_mesh.
+DeviceMesh init_node_mesh(c10::DeviceType device_type,
+                          const std::vector<std::pair<std::string, int64_t>>& within_node,
+                          const std::vector<std::pair<std::string, int64_t>>& across_nodes = {});
 
 // The group of all world ranks (created when the Runtime starts; this call
 // never communicates).

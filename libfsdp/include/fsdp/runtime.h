@@ -20,6 +20,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
@@ -80,6 +81,20 @@ class Runtime {
   // so it is right under mpirun and srun alike).
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
+  // Node topology, computed once at start-up (the same shared-memory split,
+  // then an all-gather): nodes are numbered 0 .. num_nodes()-1 by their
+  // lowest world rank, so node 0 holds world rank 0. Under a plain mpiexec
+  // on one machine there is one node. A group's node count:
+  // ProcessGroup::num_nodes(); the bytes sent across nodes:
+  // CollectiveCounters::cross_node_bytes (fsdp/comm.h).
+  int num_nodes() const { return num_nodes_; }
+  // This rank's node.
+  int node_index() const { return node_of(world_rank_); }
+  // The node of `world_rank`; ArgumentError naming 'world_rank' unless it is
+  // in [0, world_size()).
+  int node_of(int world_rank) const;
+  // node_of for every world rank, indexed by world rank.
+  const std::vector<int>& node_map() const { return node_of_; }
   // See RuntimeOptions::device: cuda:<local rank % visible devices> (the
   // current CUDA device of this process) or cpu.
   c10::Device device() const { return device_; }
@@ -95,11 +110,14 @@ class Runtime {
 
  private:
   void bind_device(const RuntimeOptions& options, MPI_Comm node);
+  void compute_topology(MPI_Comm node);
   bool owns_mpi_ = false;
   int world_rank_ = 0;
   int world_size_ = 1;
   int local_rank_ = 0;
   int local_size_ = 1;
+  int num_nodes_ = 1;
+  std::vector<int> node_of_;
   int num_threads_ = 1;
   double timeout_seconds_ = 600;
   bool check_collectives_ = false;

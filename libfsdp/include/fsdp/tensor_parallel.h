@@ -8,6 +8,12 @@
 // call with tensors of the same shape. A tp mesh of size 1 communicates
 // nothing and each layer computes exactly what the plain layer computes.
 //
+// Nodes: a `tp` whose group spans nodes (Runtime::num_nodes) is a MeshError
+// naming "tp" (the message names the dim): TP's per-layer collectives belong
+// inside a node (fsdp::init_node_mesh lays tp out there). Set
+// FSDP_TP_ACROSS_NODES=1 on every rank to allow it anyway; it is read at
+// each check (layer construction and every autograd pair's call).
+//
 // Layouts are even: a dim split over tp must divide by tp.size() (ShapeError
 // naming the argument and the size), as torchtitan's seq_len_divisor.
 //

@@ -41,6 +41,9 @@ class Backend {
   // See ProcessGroup::empty_for_collectives; plain at::empty by default.
   virtual at::Tensor empty_for_collectives(at::IntArrayRef sizes,
                                            const at::TensorOptions& options);
+  // See ProcessGroup::has_shared_memory / shared_memory_committed.
+  virtual bool has_shared_memory() const { return false; }
+  virtual int64_t shared_memory_committed() const { return 0; }
 };
 
 // An all-gather in place: input is output's block for `rank` (the one

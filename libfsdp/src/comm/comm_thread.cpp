@@ -7,6 +7,7 @@
 #include "comm/comm_thread.h"
 
 #include "fsdp/trace.h"
+#include "comm/counters.h"
 #include "comm/pending_registry.h"
 #include "comm/work.h"
 
@@ -31,13 +32,23 @@ std::function<void()> traced(std::function<void()> fn, const WorkInfo& d) {
   const int64_t unit = trace::detail::current_unit();
   const int64_t submitted = trace::detail::now_ns();
   return [fn = std::move(fn), d, bytes, unit, submitted] {
-    trace::Span span(span_name(d.op), "comm");
-    if (span.active()) {
-      if (!d.group.empty()) span.arg("group", d.group);
-      span.arg("seq", static_cast<int64_t>(d.seq));
-      if (bytes >= 0) span.arg("bytes", bytes);
-      if (unit >= 0) span.arg("unit", unit);
-      span.arg("queued_us", (trace::detail::now_ns() - submitted) / 1000);
+    // By token rather than trace::Span, so the backend can add what ran
+    // (count_cross_node: algorithm, cross_node_bytes) to this very span.
+    struct Open {
+      uint64_t token;
+      explicit Open(uint64_t t) : token(t) { set_current_comm_span(t); }
+      ~Open() {
+        set_current_comm_span(0);
+        if (token != 0) trace::detail::end(token);
+      }
+    } span(trace::enabled() ? trace::detail::begin(span_name(d.op), "comm") : 0);
+    if (span.token != 0) {
+      using trace::detail::add_arg;
+      if (!d.group.empty()) add_arg(span.token, "group", d.group);
+      add_arg(span.token, "seq", static_cast<int64_t>(d.seq));
+      if (bytes >= 0) add_arg(span.token, "bytes", bytes);
+      if (unit >= 0) add_arg(span.token, "unit", unit);
+      add_arg(span.token, "queued_us", (trace::detail::now_ns() - submitted) / 1000);
     }
     fn();
   };

@@ -40,6 +40,25 @@ std::unordered_map<const detail::PendingWork*, Clock::time_point>& pending() {
 
 }  // namespace
 
+int64_t CollectiveCounters::total_cross_node_bytes(const std::string& op,
+                                                   const std::string& group) const {
+  int64_t n = 0;
+  for (const auto& [key, value] : cross_node_bytes) {
+    if ((op.empty() || key.first == op) && (group.empty() || key.second == group)) n += value;
+  }
+  return n;
+}
+
+int64_t CollectiveCounters::runs(const std::string& algorithm, const std::string& op,
+                                 const std::string& group) const {
+  int64_t n = 0;
+  for (const auto& [key, value] : algorithm_count) {
+    const auto& [o, g, a] = key;
+    if (a == algorithm && (op.empty() || o == op) && (group.empty() || g == group)) n += value;
+  }
+  return n;
+}
+
 int64_t CollectiveCounters::total(const std::string& op, const std::string& group) const {
   int64_t n = 0;
   for (const auto& [key, value] : count) {
@@ -75,6 +94,43 @@ void count_collective(const std::string& op, const std::string& group, int64_t b
   c.bytes[{op, group}] += bytes;
   if (c.sequence.size() < kMaxSequence) c.sequence.push_back({op, group, bytes});
 }
+
+namespace {
+// The cross-node bytes an algorithm reported on this thread since
+// begin_reported_cross_node_bytes (-1: none), and the comm span it runs in.
+thread_local int64_t tl_reported = -1;
+thread_local uint64_t tl_comm_span = 0;
+}  // namespace
+
+void count_cross_node(const std::string& op, const std::string& group,
+                      const std::string& algorithm, int64_t cross_node_bytes, bool modelled) {
+  {
+    std::lock_guard<std::mutex> lock(counters_mu());
+    auto& c = counters();
+    c.algorithm_count[{op, group, algorithm}] += 1;
+    c.cross_node_bytes[{op, group}] += cross_node_bytes;
+    if (modelled) c.modelled_cross_node_bytes[{op, group}] += cross_node_bytes;
+  }
+  if (tl_comm_span != 0) {
+    trace::detail::add_arg(tl_comm_span, "algorithm", algorithm);
+    trace::detail::add_arg(tl_comm_span, "cross_node_bytes", cross_node_bytes);
+    if (modelled) trace::detail::add_arg(tl_comm_span, "cross_node_modelled", int64_t{1});
+  }
+}
+
+void report_cross_node_bytes(int64_t bytes) {
+  tl_reported = std::max<int64_t>(tl_reported, 0) + bytes;
+}
+
+void begin_reported_cross_node_bytes() { tl_reported = -1; }
+
+int64_t take_reported_cross_node_bytes() {
+  const int64_t r = tl_reported;
+  tl_reported = -1;
+  return r;
+}
+
+void set_current_comm_span(uint64_t token) { tl_comm_span = token; }
 
 std::vector<PendingEntry> pending_snapshot() {
   std::vector<PendingEntry> out;

@@ -179,6 +179,15 @@ ProcessGroupPtr reduction_group_for(const ProcessGroupPtr& group) {
   return side_group_for(group, SideGroup::Reduction);
 }
 
+std::vector<ProcessGroupPtr> all_groups() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<ProcessGroupPtr> out;
+  for (const auto& [members, group] : r.groups) out.push_back(group);
+  for (const auto& [key, group] : r.side_groups) out.push_back(group);
+  return out;
+}
+
 ProcessGroupPtr find_group(const std::vector<int>& members) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);

@@ -45,6 +45,8 @@ ProcessGroupPtr subgroup_for(const ProcessGroupPtr& group, int size);
 // The positions (group ranks, ascending) of `group`'s members on this node.
 // Collective over the group's members.
 std::vector<int> members_on_this_node(const ProcessGroupPtr& group);
+// Every group created so far, side groups included (group_summaries).
+std::vector<ProcessGroupPtr> all_groups();
 void init_group_registry();
 void shutdown_group_registry();
 

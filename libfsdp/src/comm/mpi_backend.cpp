@@ -9,9 +9,12 @@
 #include "fsdp/trace.h"
 #include "comm/collective_check.h"
 #include "comm/comm_thread.h"
+#include "comm/counters.h"
 #include "comm/cpu_collectives.h"
+#include "comm/cpu_reduce.h"
 #include "comm/mpi_types.h"
 #include "comm/pending_registry.h"
+#include "comm/topology.h"
 #include "comm/work.h"
 
 #include <algorithm>
@@ -114,6 +117,8 @@ class MpiBackend final : public Backend {
     std::string why;
     arena_ = cpu::SharedArena::create(comm_, &why);
     peers_.arena = arena_.get();
+    cross_.nodes = nodes_of_comm(comm_);
+    cross_.rank = peers_.rank;
   }
   ~MpiBackend() override {
     thread_.reset();  // drain and join before the communicators go
@@ -129,12 +134,23 @@ class MpiBackend final : public Backend {
                                            static_cast<int64_t>(in.nbytes()), size_,
                                            arena_ != nullptr);
     return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count, choice] {
-      if (choice.shared != choice.plain && cpu::all_gather_if_shared(peers_, out, in)) return;
-      const CpuAlgorithm algorithm = choice.plain;
-      if (algorithm != CpuAlgorithm::Mpi) {
-        cpu::all_gather(peers_, algorithm, out, in);
+      begin_reported_cross_node_bytes();
+      if (choice.shared != choice.plain && cpu::all_gather_if_shared(peers_, out, in)) {
+        account("all_gather", choice.shared, 0);
         return;
       }
+      const CpuAlgorithm algorithm = choice.plain;
+      const int64_t es = static_cast<int64_t>(in.element_size());
+      const int64_t model = algorithm == CpuAlgorithm::Ring ? cross_.ring_all_gather(in.numel(), es)
+                            : algorithm == CpuAlgorithm::Shm
+                                ? 0
+                                : cross_.pairwise_all_gather(in.numel(), es);
+      if (algorithm != CpuAlgorithm::Mpi) {
+        cpu::all_gather(peers_, algorithm, out, in);
+        account("all_gather", algorithm, model);  // after: the algorithm may report its bytes
+        return;
+      }
+      account("all_gather", algorithm, model);
       // MPI forbids a send buffer inside the receive buffer: in place is
       // MPI_IN_PLACE (ProcessGroupImpl let only this rank's block through).
       const void* send = is_own_gather_block(out, in, peers_.rank) ? MPI_IN_PLACE : in.data_ptr();
@@ -159,14 +175,24 @@ class MpiBackend final : public Backend {
                                            arena_ != nullptr);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
                   [this, out, in, dt, mop, count, op, choice] {
+      begin_reported_cross_node_bytes();
       if (choice.shared != choice.plain && cpu::reduce_scatter_if_shared(peers_, out, in, op)) {
+        account("reduce_scatter", choice.shared, 0);
         return;  // AVG divided inside
       }
       const CpuAlgorithm algorithm = choice.plain;
+      const int64_t es = static_cast<int64_t>(in.element_size());
+      const int64_t model =
+          algorithm == CpuAlgorithm::Ring
+              ? cross_.ring_reduce_scatter(out.numel(), acc_size(in.scalar_type()))
+          : algorithm == CpuAlgorithm::Shm ? 0
+                                           : cross_.pairwise_reduce_scatter(out.numel(), es);
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::reduce_scatter(peers_, algorithm, out, in, op);  // AVG divides inside
+        account("reduce_scatter", algorithm, model);
         return;
       }
+      account("reduce_scatter", algorithm, model);
       if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, dt, mop, comm_,
@@ -192,10 +218,19 @@ class MpiBackend final : public Backend {
             .plain;
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
                   [this, t, dt, mop, count, op, algorithm] {
+      begin_reported_cross_node_bytes();
+      const int64_t es = static_cast<int64_t>(t.element_size());
+      const int64_t model =
+          algorithm == CpuAlgorithm::Ring
+              ? cross_.ring_all_reduce(t.numel(), es, acc_size(t.scalar_type()))
+          : algorithm == CpuAlgorithm::Shm ? 0
+                                           : cross_.pairwise_all_reduce(t.numel(), es);
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::all_reduce(peers_, algorithm, t, op);  // AVG divides inside
+        account("all_reduce", algorithm, model);
         return;
       }
+      account("all_reduce", algorithm, model);
       if (poll_) {
         MPI_Request r = MPI_REQUEST_NULL;
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, dt, mop, comm_, &r),
@@ -213,6 +248,12 @@ class MpiBackend final : public Backend {
     const MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensor");
     const int count = to_int(t.numel(), "tensor");
     return submit("broadcast", t, count, root, async_op, [this, t, dt, count, root] {
+      // Open MPI's tree is not visible: modelled as a flat broadcast, the
+      // root sending to every remote rank (an upper bound: a tree that
+      // forwards inside a node crosses less).
+      std::vector<int64_t> to(static_cast<size_t>(size_), 0);
+      if (peers_.rank == root) to.assign(to.size(), static_cast<int64_t>(t.nbytes()));
+      count_cross_node("broadcast", group_name_, "mpi", cross_.to_peers(to), true);
       check_mpi(MPI_Bcast(t.data_ptr(), count, dt, root, comm_), "MPI_Bcast");
     });
   }
@@ -225,6 +266,10 @@ class MpiBackend final : public Backend {
     auto rd = std::make_shared<std::vector<int>>(to_ints(c.recv_displs, "output"));
     // Split sizes may differ by rank: the check compares op and dtype only.
     return submit("all_to_all", in, -1, -1, async_op, [this, out, in, dt, sc, sd, rc, rd] {
+      std::vector<int64_t> to(sc->size());
+      const auto es = static_cast<int64_t>(in.element_size());
+      for (size_t r = 0; r < to.size(); ++r) to[r] = (*sc)[r] * es;
+      count_cross_node("all_to_all", group_name_, "p2p", cross_.to_peers(to), false);
       check_mpi(MPI_Alltoallv(in.data_ptr(), sc->data(), sd->data(), dt, out.data_ptr(),
                               rc->data(), rd->data(), dt, comm_),
                 "MPI_Alltoallv");
@@ -240,6 +285,7 @@ class MpiBackend final : public Backend {
     const int count = to_int(t.numel(), "tensor");
     MPI_Request request = MPI_REQUEST_NULL;
     check_mpi(MPI_Isend(t.data_ptr(), count, dt, dst, tag, comm_, &request), "MPI_Isend");
+    count_p2p(true, t, dst);
     return finish_p2p("send", request, t, async_op);
   }
 
@@ -248,6 +294,7 @@ class MpiBackend final : public Backend {
     const int count = to_int(t.numel(), "tensor");
     MPI_Request request = MPI_REQUEST_NULL;
     check_mpi(MPI_Irecv(t.data_ptr(), count, dt, src, tag, comm_, &request), "MPI_Irecv");
+    count_p2p(false, t, src);
     return finish_p2p("recv", request, t, async_op);
   }
 
@@ -267,6 +314,7 @@ class MpiBackend final : public Backend {
         check_mpi(MPI_Irecv(t.data_ptr(), count, dt, op.peer, op.tag, comm_, &request),
                   "MPI_Irecv");
       }
+      count_p2p(send, t, op.peer);
       WorkInfo info = describe(send ? "send" : "recv", t);
       info.label = op.label;
       works.push_back(std::make_shared<RequestWork>(request, t, std::move(info)));
@@ -280,11 +328,40 @@ class MpiBackend final : public Backend {
   }
 
   void barrier() override {
-    submit("barrier", at::Tensor(), 0, -1, false,
-           [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
+    submit("barrier", at::Tensor(), 0, -1, false, [this] {
+      count_cross_node("barrier", group_name_, "mpi", 0, false);
+      check_mpi(MPI_Barrier(comm_), "MPI_Barrier");
+    });
+  }
+
+  bool has_shared_memory() const override { return arena_ != nullptr; }
+  int64_t shared_memory_committed() const override {
+    return arena_ != nullptr ? arena_->committed_bytes() : 0;
   }
 
  private:
+  // Records what ran (count_cross_node): the cross-node bytes the algorithm
+  // reported itself (report_cross_node_bytes: one that knows its schedule,
+  // e.g. a two-level one), else `model` -- exact for ring, pairwise and shm
+  // (which run as posted here), the pairwise equivalent for Open MPI's
+  // (marked modelled: its schedule is not visible) and for an algorithm
+  // that reported nothing.
+  void account(const char* op, CpuAlgorithm algorithm, int64_t model) {
+    const int64_t reported = take_reported_cross_node_bytes();
+    const bool known = algorithm == CpuAlgorithm::Ring || algorithm == CpuAlgorithm::Pairwise ||
+                       algorithm == CpuAlgorithm::Shm;
+    count_cross_node(op, group_name_, to_string(algorithm), reported >= 0 ? reported : model,
+                     reported < 0 && !known);
+  }
+  // Ring reductions pass partial sums in the accumulation type.
+  static int64_t acc_size(c10::ScalarType t) {
+    return static_cast<int64_t>(c10::elementSize(cpu::acc_type(t)));
+  }
+  void count_p2p(bool send, const at::Tensor& t, int peer) {
+    const int64_t bytes = send && cross_.remote(peer) ? static_cast<int64_t>(t.nbytes()) : 0;
+    count_cross_node(send ? "send" : "recv", group_name_, "p2p", bytes, false);
+  }
+
   WorkPtr finish_p2p(const char* op, MPI_Request request, at::Tensor t, bool async_op) {
     WorkInfo info = describe(op, t);
     auto work = std::make_shared<RequestWork>(request, std::move(t), std::move(info));
@@ -326,6 +403,7 @@ class MpiBackend final : public Backend {
   int size_ = 1;
   cpu::Peers peers_;  // libfsdp's own algorithms: a duplicate of comm_
   std::shared_ptr<cpu::SharedArena> arena_;  // peers_.arena; null: none
+  CrossNodeModel cross_;  // the node of each group rank (count_cross_node)
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
 };

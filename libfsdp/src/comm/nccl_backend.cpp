@@ -31,8 +31,10 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "comm/collective_check.h"
+#include "comm/counters.h"
 #include "comm/mpi_types.h"
 #include "comm/pending_registry.h"
+#include "comm/topology.h"
 #include "comm/watchdog.h"
 #include "comm/work.h"
 #include "base/torch_compat.h"
@@ -264,6 +266,8 @@ class NcclBackend final : public Backend {
     check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate",
                "NCCL backend set-up on " + group_name_);
     register_async_error_source(health_);
+    cross_.nodes = nodes_of_comm(bootstrap_);
+    cross_.rank = rank_;
     if (eager) group_comm();
   }
 
@@ -275,26 +279,40 @@ class NcclBackend final : public Backend {
 
   WorkPtr all_gather(at::Tensor out, at::Tensor in, bool async_op) override {
     require_device(in, "input");
-    return issue("all_gather", {out, in}, async_op, [&](cudaStream_t s) {
+    auto work = issue("all_gather", {out, in}, async_op, [&](cudaStream_t s) {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), count_of(in),
                            nccl_dtype(in.scalar_type()), group_comm(), s);
     }, "", Checked{in.numel(), -1});
+    // NCCL's schedule (its rings follow the hardware) is not visible here:
+    // modelled as a ring in group-rank order, counted at issue.
+    count_cross_node("all_gather", group_name_, "nccl",
+                     cross_.ring_all_gather(in.numel(), static_cast<int64_t>(in.element_size())),
+                     true);
+    return work;
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, bool async_op) override {
     require_device(in, "input");
-    return issue("reduce_scatter", {out, in}, async_op, [&](cudaStream_t s) {
+    auto work = issue("reduce_scatter", {out, in}, async_op, [&](cudaStream_t s) {
       return ncclReduceScatter(in.data_ptr(), out.data_ptr(), count_of(out),
                                nccl_dtype(in.scalar_type()), nccl_op(op), group_comm(), s);
     }, "", Checked{out.numel(), static_cast<int64_t>(op)});
+    const auto es = static_cast<int64_t>(in.element_size());  // NCCL reduces in the dtype
+    count_cross_node("reduce_scatter", group_name_, "nccl",
+                     cross_.ring_reduce_scatter(out.numel(), es), true);
+    return work;
   }
 
   WorkPtr all_reduce(at::Tensor t, ReduceOp op, bool async_op) override {
     require_device(t, "tensor");
-    return issue("all_reduce", {t}, async_op, [&](cudaStream_t s) {
+    auto work = issue("all_reduce", {t}, async_op, [&](cudaStream_t s) {
       return ncclAllReduce(t.data_ptr(), t.data_ptr(), count_of(t), nccl_dtype(t.scalar_type()),
                            nccl_op(op), group_comm(), s);
     }, "", Checked{t.numel(), static_cast<int64_t>(op)});
+    const auto es = static_cast<int64_t>(t.element_size());
+    count_cross_node("all_reduce", group_name_, "nccl", cross_.ring_all_reduce(t.numel(), es, es),
+                     true);
+    return work;
   }
 
   WorkPtr broadcast(at::Tensor t, int root, bool async_op) override {
@@ -499,6 +517,7 @@ class NcclBackend final : public Backend {
   ncclComm_t comm_ = nullptr;
   std::map<int, ncclComm_t> pair_comms_;  // by peer group rank; only for groups of > 2
   std::shared_ptr<CommHealth> health_;    // owns comm_ and pair_comms_' lifetimes
+  CrossNodeModel cross_;  // the node of each group rank (count_cross_node)
 };
 
 }  // namespace

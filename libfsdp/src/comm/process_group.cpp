@@ -8,6 +8,7 @@
 #include "comm/comm_settings.h"
 #include "comm/counters.h"
 #include "comm/mpi_types.h"
+#include "comm/topology.h"
 #include "base/shape_str.h"
 
 #include <ATen/ops/empty.h>
@@ -44,6 +45,8 @@ void Work::wait(std::chrono::duration<double> timeout) {
   }
   wait();
 }
+
+int ProcessGroup::num_nodes() const { return detail::count_nodes(world_ranks()); }
 
 std::string to_string(ReduceOp op) {
   switch (op) {
@@ -447,6 +450,16 @@ at::Tensor ProcessGroupImpl::empty_for_collectives(at::IntArrayRef sizes,
     if (!closed_ && options.device().is_cpu()) b = mpi_.get();
   }
   return b != nullptr ? b->empty_for_collectives(sizes, options) : at::empty(sizes, options);
+}
+
+bool ProcessGroupImpl::has_shared_memory() const {
+  std::lock_guard<std::mutex> lock(backends_mu_);
+  return !closed_ && mpi_ != nullptr && mpi_->has_shared_memory();
+}
+
+int64_t ProcessGroupImpl::shared_memory_committed() const {
+  std::lock_guard<std::mutex> lock(backends_mu_);
+  return !closed_ && mpi_ != nullptr ? mpi_->shared_memory_committed() : 0;
 }
 
 void ProcessGroupImpl::barrier() {

@@ -44,6 +44,8 @@ class ProcessGroupImpl final : public ProcessGroup {
   void barrier() override;
   at::Tensor empty_for_collectives(at::IntArrayRef sizes,
                                    const at::TensorOptions& options) override;
+  bool has_shared_memory() const override;
+  int64_t shared_memory_committed() const override;
 
   // Frees the backends and the communicator; later calls throw StateError.
   void shutdown();
@@ -61,7 +63,7 @@ class ProcessGroupImpl final : public ProcessGroup {
   std::vector<int> world_ranks_;
   std::string name_;
   MPI_Comm bootstrap_ = MPI_COMM_NULL;  // owned; used by the NCCL bootstrap
-  std::mutex backends_mu_;
+  mutable std::mutex backends_mu_;
   // FSDP_DEBUG=detail: one check per backend (each orders its collectives
   // on its own), created with the group so no later call communicates.
   std::unique_ptr<CollectiveCheck> mpi_check_;

@@ -7,6 +7,7 @@
 #include "comm/comm_settings.h"
 #include "comm/group_registry.h"
 #include "comm/mpi_types.h"
+#include "comm/topology.h"
 #include "comm/watchdog.h"
 #include "runtime/device_binding.h"
 #include "base/torch_compat.h"
@@ -22,6 +23,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -233,6 +235,13 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   MPI_Comm_rank(node, &local_rank_);
   MPI_Comm_size(node, &local_size_);
   try {
+    compute_topology(node);
+  } catch (...) {
+    MPI_Comm_free(&node);
+    if (owns_mpi_) MPI_Finalize();
+    throw;
+  }
+  try {
     bind_device(options, node);
   } catch (...) {
     MPI_Comm_free(&node);
@@ -279,6 +288,39 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   detail::start_watchdog(world_rank_, world_size_);
 }
 
+// A node is named by its lowest world rank (the MIN over the node), and
+// every rank learns every rank's name with one all-gather; the names in
+// increasing order are the node indices, so they are the same everywhere and
+// node 0 holds world rank 0.
+void Runtime::compute_topology(MPI_Comm node) {
+  int lowest = world_rank_;
+  detail::check_mpi(MPI_Allreduce(&world_rank_, &lowest, 1, MPI_INT, MPI_MIN, node),
+                    "MPI_Allreduce (node topology)");
+  std::vector<int> lowest_of(static_cast<size_t>(world_size_));
+  detail::check_mpi(MPI_Allgather(&lowest, 1, MPI_INT, lowest_of.data(), 1, MPI_INT,
+                                  MPI_COMM_WORLD),
+                    "MPI_Allgather (node topology)");
+  std::vector<int> names = lowest_of;
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  node_of_.resize(lowest_of.size());
+  for (size_t r = 0; r < lowest_of.size(); ++r) {
+    node_of_[r] = static_cast<int>(std::lower_bound(names.begin(), names.end(), lowest_of[r]) -
+                                   names.begin());
+  }
+  num_nodes_ = static_cast<int>(names.size());
+  detail::set_node_map(node_of_);
+}
+
+int Runtime::node_of(int world_rank) const {
+  if (world_rank < 0 || world_rank >= world_size_) {
+    throw ArgumentError("world_rank", "Runtime::node_of: 'world_rank' = " +
+                                          std::to_string(world_rank) + "; accepted: 0.." +
+                                          std::to_string(world_size_ - 1));
+  }
+  return node_of_[static_cast<size_t>(world_rank)];
+}
+
 // Every rank reaches the same verdict (the ids are gathered over the node),
 // so a refusal throws on all of them instead of leaving some waiting.
 void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
@@ -322,6 +364,7 @@ Runtime::~Runtime() {
   detail::shutdown_group_registry();
   trace::detail::stop();  // writes the trace, comm-thread spans included (threads joined)
   detail::free_mpi_types();
+  detail::set_node_map({});
   g_runtime = nullptr;
   if (owns_mpi_) MPI_Finalize();
 }

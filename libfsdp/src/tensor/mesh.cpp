@@ -3,6 +3,7 @@
 #include "fsdp/mesh.h"
 
 #include "fsdp/errors.h"
+#include "fsdp/runtime.h"
 #include "comm/group_registry.h"
 #include "comm/mpi_types.h"
 
@@ -416,6 +417,113 @@ DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<in
   if (device_type == "cuda") return init_device_mesh(c10::kCUDA, shape, dim_names);
   throw MeshError("device_type", "init_device_mesh: 'device_type' = \"" + device_type +
                                      "\"; accepted: \"cpu\", \"cuda\"");
+}
+
+namespace {
+
+// Resolves at most one -1 in `dims`: total / (the product of the others).
+// MeshError naming `argument` for a bad size or a product that does not
+// divide `total`.
+std::vector<int64_t> resolve_sizes(const std::vector<std::pair<std::string, int64_t>>& dims,
+                                   int64_t total, const char* argument) {
+  std::vector<int64_t> sizes;
+  int64_t known = 1;
+  int free = -1;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const auto& [name, size] = dims[i];
+    if (size == -1) {
+      if (free >= 0) {
+        throw MeshError(argument, std::string("init_node_mesh: '") + argument + "' has two " +
+                                      "sizes -1 ('" + dims[static_cast<size_t>(free)].first +
+                                      "' and '" + name + "'); at most one dim takes what is left");
+      }
+      free = static_cast<int>(i);
+    } else if (size < 1) {
+      throw MeshError(argument, std::string("init_node_mesh: dim '") + name + "' in '" +
+                                    argument + "' has size " + std::to_string(size) +
+                                    "; accepted: >= 1, or -1 for what is left");
+    } else {
+      known *= size;
+    }
+    sizes.push_back(size);
+  }
+  if (free >= 0) {
+    if (total % known != 0) {
+      throw MeshError(argument, std::string("init_node_mesh: the sizes of '") + argument +
+                                    "' other than '" + dims[static_cast<size_t>(free)].first +
+                                    "' multiply to " + std::to_string(known) + ", which does " +
+                                    "not divide " + std::to_string(total));
+    }
+    sizes[static_cast<size_t>(free)] = total / known;
+  }
+  return sizes;
+}
+
+}  // namespace
+
+DeviceMesh init_node_mesh(c10::DeviceType device_type,
+                          const std::vector<std::pair<std::string, int64_t>>& within_node,
+                          const std::vector<std::pair<std::string, int64_t>>& across_nodes) {
+  if (within_node.empty()) {
+    throw MeshError("within_node", "init_node_mesh: 'within_node' is empty; give at least one "
+                                   "dim that lies inside a node (e.g. {\"shard\", -1})");
+  }
+  const Runtime& rt = Runtime::get();
+  const int world = rt.world_size(), nodes = rt.num_nodes();
+  const std::string& first = within_node.front().first;
+  // Node k must hold ranks k*R .. k*R+R-1: then a block of consecutive ranks
+  // that divides R never straddles two nodes.
+  if (world % nodes != 0) {
+    throw MeshError("within_node", "init_node_mesh: dim '" + first + "': the " +
+                                       std::to_string(nodes) + " nodes hold different numbers " +
+                                       "of the " + std::to_string(world) + " ranks; a node mesh "
+                                       "needs the same count on every node");
+  }
+  const int per_node = world / nodes;
+  for (int r = 0; r < world; ++r) {
+    if (rt.node_of(r) != r / per_node) {
+      throw MeshError("within_node", "init_node_mesh: dim '" + first + "' would span nodes: " +
+                                         "world rank " + std::to_string(r) + " is on node " +
+                                         std::to_string(rt.node_of(r)) + ", not " +
+                                         std::to_string(r / per_node) + "; the ranks of a node " +
+                                         "must be consecutive world ranks (mpirun --map-by slot, "
+                                         "the default; not --map-by node)");
+    }
+  }
+  const std::vector<int64_t> inner = resolve_sizes(within_node, per_node, "within_node");
+  // From the innermost dim out: the running product must divide the ranks
+  // per node, or the dim where it stops is the one that does not fit.
+  int64_t block = 1;
+  for (size_t i = inner.size(); i-- > 0;) {
+    block *= inner[i];
+    if (per_node % block != 0) {
+      throw MeshError("within_node", "init_node_mesh: dim '" + within_node[i].first + "' (size " +
+                                         std::to_string(inner[i]) + ") does not fit in a node: " +
+                                         "the within-node dims from it inward hold " +
+                                         std::to_string(block) + " ranks, which does not divide "
+                                         "the " + std::to_string(per_node) + " ranks per node");
+    }
+  }
+  const std::vector<int64_t> outer =
+      resolve_sizes(across_nodes, world / block, "across_nodes");
+  if (product(outer) * block != world) {
+    std::string dims;
+    for (const auto& d : across_nodes) dims += (dims.empty() ? "'" : ", '") + d.first + "'";
+    if (dims.empty()) dims = "(none)";
+    throw MeshError("across_nodes", "init_node_mesh: 'across_nodes' dims " + dims +
+                                        " of sizes (" + join(outer) +
+                                        ") times the within-node ones (" + join(inner) +
+                                        ") cover " + std::to_string(product(outer) * block) +
+                                        " ranks but the world has " + std::to_string(world));
+  }
+  std::vector<int64_t> shape = outer;
+  std::vector<std::string> names;
+  for (const auto& d : across_nodes) names.push_back(d.first);
+  for (size_t i = 0; i < within_node.size(); ++i) {
+    shape.push_back(inner[i]);
+    names.push_back(within_node[i].first);
+  }
+  return init_device_mesh(device_type, shape, names);
 }
 
 ProcessGroupPtr world_group() {

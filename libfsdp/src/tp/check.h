@@ -9,7 +9,9 @@
 
 namespace fsdp::tp::detail {
 
-// MeshError naming "tp" unless `tp` is 1-D; `fn` prefixes the message.
+// MeshError naming "tp" unless `tp` is 1-D, or when its group spans nodes
+// and $FSDP_TP_ACROSS_NODES is not "1" (the message names the dim); `fn`
+// prefixes the message.
 void check_tp(const char* fn, const DeviceMesh& tp);
 
 // `dim` of `x` made non-negative; ArgumentError naming "dim" if out of range.
