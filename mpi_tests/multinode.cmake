@@ -75,3 +75,22 @@ foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "tp:--tp;2" "pp:--pp;2" "moe:--moe;--e
   set_tests_properties(multinode_train_${_id} PROPERTIES
     FAIL_REGULAR_EXPRESSION "verify: max .*: FAIL")
 endforeach()
+
+# ---- two_level CPU collectives across nodes ----------------------------------
+# test_two_level_collectives on 2 nodes x 2 ranks (node-major, and
+# round-robin so that the group's rank order is not node-major), without
+# shared memory (the node step over MPI: the same bits), on 3 nodes x 2 and
+# on 2 nodes x 4 (sub-mesh groups spanning both nodes with 2 ranks on each).
+set(_mn_two_level ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1")
+fsdp_add_multinode_test(NAME multinode_two_level_2x2
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400 ${_mn_two_level})
+fsdp_add_multinode_test(NAME multinode_two_level_2x2_round_robin
+  COMMAND --map-by node $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400
+  ${_mn_two_level})
+fsdp_add_multinode_test(NAME multinode_two_level_2x2_no_shm
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400
+  ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_SHM_BYTES=0")
+fsdp_add_multinode_test(NAME multinode_two_level_3x2 NODES 3
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 600 ${_mn_two_level})
+fsdp_add_multinode_test(NAME multinode_two_level_2x4 RANKS_PER_NODE 4
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 600 ${_mn_two_level})

@@ -114,9 +114,14 @@ class MpiBackend final : public Backend {
     std::string why;
     arena_ = cpu::SharedArena::create(comm_, &why);
     peers_.arena = arena_.get();
+    // Collective too: the node and rail communicators of a group spanning
+    // nodes evenly (null elsewhere, where two_level runs as pairwise).
+    two_level_ = cpu::TwoLevel::create(comm_, poll_);
+    peers_.two_level = two_level_.get();
   }
   ~MpiBackend() override {
     thread_.reset();  // drain and join before the communicators go
+    two_level_.reset();
     arena_.reset();
     MPI_Comm_free(&peers_.comm);
     MPI_Comm_free(&comm_);
@@ -127,7 +132,7 @@ class MpiBackend final : public Backend {
     const int count = to_int(in.numel(), "input");
     const cpu::Choice choice = cpu::choose(cpu::Collective::AllGather, in.scalar_type(),
                                            static_cast<int64_t>(in.nbytes()), size_,
-                                           arena_ != nullptr);
+                                           arena_ != nullptr, two_level_ != nullptr);
     return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count, choice] {
       if (choice.shared != choice.plain && cpu::all_gather_if_shared(peers_, out, in)) return;
       const CpuAlgorithm algorithm = choice.plain;
@@ -156,7 +161,7 @@ class MpiBackend final : public Backend {
     const int count = to_int(out.numel(), "output");
     const cpu::Choice choice = cpu::choose(cpu::Collective::ReduceScatter, in.scalar_type(),
                                            static_cast<int64_t>(out.nbytes()), size_,
-                                           arena_ != nullptr);
+                                           arena_ != nullptr, two_level_ != nullptr);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
                   [this, out, in, dt, mop, count, op, choice] {
       if (choice.shared != choice.plain && cpu::reduce_scatter_if_shared(peers_, out, in, op)) {
@@ -188,7 +193,8 @@ class MpiBackend final : public Backend {
     // Never the shared choice: all-reduce stages its operand wherever it lives.
     const CpuAlgorithm algorithm =
         cpu::choose(cpu::Collective::AllReduce, t.scalar_type(),
-                    static_cast<int64_t>(t.nbytes()) / size_, size_, arena_ != nullptr)
+                    static_cast<int64_t>(t.nbytes()) / size_, size_, arena_ != nullptr,
+                    two_level_ != nullptr)
             .plain;
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
                   [this, t, dt, mop, count, op, algorithm] {
@@ -326,6 +332,7 @@ class MpiBackend final : public Backend {
   int size_ = 1;
   cpu::Peers peers_;  // libfsdp's own algorithms: a duplicate of comm_
   std::shared_ptr<cpu::SharedArena> arena_;  // peers_.arena; null: none
+  std::unique_ptr<cpu::TwoLevel> two_level_;  // peers_.two_level; null: none
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
 };
