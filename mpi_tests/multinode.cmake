@@ -90,7 +90,11 @@ fsdp_add_multinode_test(NAME multinode_two_level_2x2_round_robin
 fsdp_add_multinode_test(NAME multinode_two_level_2x2_no_shm
   COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400
   ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_SHM_BYTES=0")
+# 6 and 8 ranks on this machine's 2 cores: minutes per case, hence the
+# per-case watchdog (FSDP_TEST_TIMEOUT, 60 s by default) raised.
 fsdp_add_multinode_test(NAME multinode_two_level_3x2 NODES 3
-  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 600 ${_mn_two_level})
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 600
+  ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_TEST_TIMEOUT=400")
 fsdp_add_multinode_test(NAME multinode_two_level_2x4 RANKS_PER_NODE 4
-  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 600 ${_mn_two_level})
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 900
+  ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_TEST_TIMEOUT=600")
