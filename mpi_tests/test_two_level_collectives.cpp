@@ -31,6 +31,8 @@
 #include <fsdp/errors.h>
 #include <fsdp/mesh.h>
 
+#include "comm/cpu_collectives.h"  // two_level_cross_node_bytes
+
 #include <ATen/ATen.h>
 
 #include <mpi.h>
@@ -427,6 +429,33 @@ BOOST_AUTO_TEST_CASE(two_level_names_and_threshold) {  // [ours]
   } catch (const fsdp::ArgumentError& e) {
     BOOST_TEST(e.argument() == "two_level_min_bytes");
   }
-  BOOST_TEST(fsdp::to_string(fsdp::CpuCollectives{}).find("two_level from 64K") !=
+  BOOST_TEST(fsdp::to_string(fsdp::CpuCollectives{}).find("two_level from 32K") !=
              std::string::npos);
+}
+
+// What cross-node byte counters are to be fed: per rank, the rail messages
+// only. Hand-computed for 3 nodes x 2 ranks, rank order not node-major.
+BOOST_AUTO_TEST_CASE(cross_node_bytes_are_the_rail_messages) {  // [ours]
+  namespace cpu = fsdp::detail::cpu;
+  cpu::TwoLevel tl;
+  tl.nodes = 3;
+  tl.per_node = 2;
+  tl.rank_of = {0, 3, 1, 4, 2, 5};  // node 0: ranks 0, 3; node 1: 1, 4; node 2: 2, 5
+  tl.node = 1;
+  tl.local = 1;  // group rank 4
+  // All-gather of 10 float32 per rank: 2 other nodes x 40 bytes.
+  BOOST_TEST(cpu::two_level_cross_node_bytes(tl, cpu::Collective::AllGather, at::kFloat, 10) == 80);
+  // Reduce-scatter to 10 bfloat16 per rank: float32 partials, 2 x 10 x 4.
+  BOOST_TEST(cpu::two_level_cross_node_bytes(tl, cpu::Collective::ReduceScatter, at::kBFloat16,
+                                             10) == 80);
+  BOOST_TEST(cpu::two_level_cross_node_bytes(tl, cpu::Collective::ReduceScatter, at::kDouble, 10) ==
+             160);
+  // All-reduce of 62 int32: blocks 11 11 10 10 10 10 (ranks 0..5). Rank 4's
+  // rail holds ranks 3 (node 0), 4 (node 1), 5 (node 2): partials of blocks
+  // 3 and 5 out (10 + 10 elements), then block 4 to 2 nodes (2 x 10).
+  BOOST_TEST(cpu::two_level_cross_node_bytes(tl, cpu::Collective::AllReduce, at::kInt, 62) ==
+             (20 + 20) * 4);
+  tl.local = 0;  // group rank 1: rail ranks 0, 1, 2 with blocks of 11, 11, 10
+  BOOST_TEST(cpu::two_level_cross_node_bytes(tl, cpu::Collective::AllReduce, at::kInt, 62) ==
+             (11 + 10 + 2 * 11) * 4);
 }

@@ -83,9 +83,10 @@ struct CpuCollectives {
   int64_t all_reduce_shm_max_bytes = 512 << 10;
   // Auto on a group whose ranks span several nodes with the same number
   // (2 or more) on each: two_level from this block size on, the rules above
-  // below it. Measured with fsdp-bench collectives on the simulated 2x2
-  // cluster (docs/benchmarks.md#two-level-collectives-across-nodes).
-  int64_t two_level_min_bytes = 64 << 10;
+  // below it. From a 32 KiB block two_level beat Open MPI's and pairwise in
+  // fsdp-bench collectives on the simulated 2x2 cluster at 10 and 1 Gbit/s
+  // (docs/benchmarks.md#two-level-collectives-across-nodes).
+  int64_t two_level_min_bytes = 32 << 10;
 };
 // Process-wide; read when a collective is issued (queued ones keep their
 // choice). Every rank must set the same value at the same point between

@@ -371,7 +371,8 @@ Blocks rail_blocks(const TwoLevel& tl, const Blocks& b, int j) {
   Blocks r;
   int64_t at = 0;
   for (int m = 0; m < tl.nodes; ++m) {
-    const int64_t c = b.count[static_cast<size_t>(tl.rank_of[static_cast<size_t>(m * tl.per_node + j)])];
+    const int owner = tl.rank_of[static_cast<size_t>(m * tl.per_node + j)];
+    const int64_t c = b.count[static_cast<size_t>(owner)];
     r.count.push_back(c);
     r.displ.push_back(at);
     at += c;
@@ -516,7 +517,9 @@ void two_level_reduce(const Peers& p, c10::ScalarType t, ReduceOp op, char* out,
     for (int64_t start = 0; start < rb.count[m]; start += kFoldChunk) {
       const int64_t len = std::min(kFoldChunk, rb.count[m] - start);
       widen(t, acc + start * aes, block_of(0, m) + start * es, len);
-      for (int k = 1; k < n; ++k) accumulate(t, c, acc + start * aes, block_of(k, m) + start * es, len);
+      for (int k = 1; k < n; ++k) {
+        accumulate(t, c, acc + start * aes, block_of(k, m) + start * es, len);
+      }
     }
   }
   if (shm) node.arena->barrier(0, node.poll);  // no node rank reads this rank's input any more
@@ -626,7 +629,8 @@ int64_t two_level_cross_node_bytes(const TwoLevel& tl, Collective op, c10::Scala
   const int rank = tl.rank_of[static_cast<size_t>(tl.node * tl.per_node + tl.local)];
   const auto es = static_cast<int64_t>(c10::elementSize(dtype));
   const auto aes = static_cast<int64_t>(c10::elementSize(acc_type(dtype)));
-  const Blocks b = op == Collective::AllReduce ? split_blocks(numel, size) : even_blocks(numel, size);
+  const Blocks b =
+      op == Collective::AllReduce ? split_blocks(numel, size) : even_blocks(numel, size);
   const Blocks rb = rail_blocks(tl, b, tl.local);
   // All-gather: this rank's block to every other node. Reduce-scatter: this
   // node's partial of each other node's block, in the accumulation type.
