@@ -98,3 +98,8 @@ fsdp_add_multinode_test(NAME multinode_two_level_3x2 NODES 3
 fsdp_add_multinode_test(NAME multinode_two_level_2x4 RANKS_PER_NODE 4
   COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 900
   ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_TEST_TIMEOUT=600")
+# The L0 collective suite (counters, groups, dtypes, errors) with two_level
+# forced for every size on 2 nodes x 2 (sub-mesh groups inside one node or
+# with one rank per node run pairwise).
+fsdp_add_multinode_test(NAME multinode_collectives_two_level
+  COMMAND $<TARGET_FILE:test_collectives> LABELS "L0" TIMEOUT 300 ENV "FSDP_MPI_ALGO=two_level")
