@@ -153,3 +153,30 @@ add_test(NAME multinode_train_comm_report
 set_tests_properties(multinode_train_comm_report PROPERTIES
   LABELS "cpu;multinode;nodes2;train" TIMEOUT 240 PROCESSORS 4 RESOURCE_LOCK fsdp_cluster
   ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;FSDP_NUM_THREADS=1")
+# ---- two_level CPU collectives across nodes ----------------------------------
+# test_two_level_collectives on 2 nodes x 2 ranks (node-major, and
+# round-robin so that the group's rank order is not node-major), without
+# shared memory (the node step over MPI: the same bits), on 3 nodes x 2 and
+# on 2 nodes x 4 (sub-mesh groups spanning both nodes with 2 ranks on each).
+set(_mn_two_level ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1")
+fsdp_add_multinode_test(NAME multinode_two_level_2x2
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400 ${_mn_two_level})
+fsdp_add_multinode_test(NAME multinode_two_level_2x2_round_robin
+  COMMAND --map-by node $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400
+  ${_mn_two_level})
+fsdp_add_multinode_test(NAME multinode_two_level_2x2_no_shm
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 400
+  ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_SHM_BYTES=0")
+# 6 and 8 ranks on this machine's 2 cores: minutes per case, hence the
+# per-case watchdog (FSDP_TEST_TIMEOUT, 60 s by default) raised.
+fsdp_add_multinode_test(NAME multinode_two_level_3x2 NODES 3
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 600
+  ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_TEST_TIMEOUT=400")
+fsdp_add_multinode_test(NAME multinode_two_level_2x4 RANKS_PER_NODE 4
+  COMMAND $<TARGET_FILE:test_two_level_collectives> LABELS "L0" TIMEOUT 900
+  ENV "FSDP_TEST_EXPECT_TWO_LEVEL=1;FSDP_TEST_TIMEOUT=600")
+# The L0 collective suite (counters, groups, dtypes, errors) with two_level
+# forced for every size on 2 nodes x 2 (sub-mesh groups inside one node or
+# with one rank per node run pairwise).
+fsdp_add_multinode_test(NAME multinode_collectives_two_level
+  COMMAND $<TARGET_FILE:test_collectives> LABELS "L0" TIMEOUT 300 ENV "FSDP_MPI_ALGO=two_level")

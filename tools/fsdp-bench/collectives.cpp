@@ -43,7 +43,12 @@ constexpr double kTargetLargeWorld = 3.0;
 // The libfsdp columns, in table order.
 constexpr fsdp::CpuAlgorithm kAlgorithms[] = {fsdp::CpuAlgorithm::Mpi, fsdp::CpuAlgorithm::Ring,
                                               fsdp::CpuAlgorithm::Pairwise,
-                                              fsdp::CpuAlgorithm::Shm, fsdp::CpuAlgorithm::Auto};
+                                              fsdp::CpuAlgorithm::Shm,
+                                              fsdp::CpuAlgorithm::TwoLevel,
+                                              fsdp::CpuAlgorithm::Auto};
+// Flat algorithms that two_level is compared with, in its ratio columns.
+constexpr fsdp::CpuAlgorithm kFlat[] = {fsdp::CpuAlgorithm::Mpi, fsdp::CpuAlgorithm::Ring,
+                                        fsdp::CpuAlgorithm::Pairwise, fsdp::CpuAlgorithm::Shm};
 
 struct Options {
   int64_t min_bytes = 1024;
@@ -302,9 +307,25 @@ std::vector<fsdp::CpuAlgorithm> selected_algorithms(const std::vector<std::strin
   return out;
 }
 
+bool has(const std::vector<fsdp::CpuAlgorithm>& algorithms, fsdp::CpuAlgorithm a) {
+  return std::find(algorithms.begin(), algorithms.end(), a) != algorithms.end();
+}
+
 bool has_auto(const std::vector<fsdp::CpuAlgorithm>& algorithms) {
-  return std::find(algorithms.begin(), algorithms.end(), fsdp::CpuAlgorithm::Auto) !=
-         algorithms.end();
+  return has(algorithms, fsdp::CpuAlgorithm::Auto);
+}
+
+// The flat algorithms selected with two_level, each getting a column
+// "<flat>/two_level" (time ratio: > 1, two_level is faster); none without
+// two_level.
+std::vector<fsdp::CpuAlgorithm> compared_with_two_level(
+    const std::vector<fsdp::CpuAlgorithm>& algorithms) {
+  std::vector<fsdp::CpuAlgorithm> out;
+  if (!has(algorithms, fsdp::CpuAlgorithm::TwoLevel)) return out;
+  for (const fsdp::CpuAlgorithm a : kFlat) {
+    if (has(algorithms, a)) out.push_back(a);
+  }
+  return out;
 }
 
 // One timed side's columns; x_limit only for libfsdp's, which the target is
@@ -352,6 +373,10 @@ std::vector<Column> columns(const std::vector<fsdp::CpuAlgorithm>& algorithms) {
   }
   for (Column& c : timing_columns("raw", "raw MPI", false)) out.push_back(std::move(c));
   if (has_auto(algorithms)) out.push_back({"ratio", "ratio", "raw/auto", 8, 3, ""});
+  for (const fsdp::CpuAlgorithm a : compared_with_two_level(algorithms)) {
+    const std::string name = fsdp::to_string(a);
+    out.push_back({name + "_over_two_level", name + "/", "two_level", 9, 3, ""});
+  }
   return out;
 }
 
@@ -380,6 +405,8 @@ struct Worst {
 struct Large {
   std::map<fsdp::CpuAlgorithm, std::map<std::string, Worst>> worst;
   std::map<std::string, std::vector<double>> ratios;  // op -> raw/auto
+  // flat algorithm -> op -> its time / two_level's
+  std::map<fsdp::CpuAlgorithm, std::map<std::string, std::vector<double>>> two_level;
 };
 
 void notes(Report& report, const Options& o, const std::vector<fsdp::CpuAlgorithm>& algorithms,
@@ -410,7 +437,11 @@ void notes(Report& report, const Options& o, const std::vector<fsdp::CpuAlgorith
                           "reduce_scatter) or 2(n-1)/n (all_reduce)") +
               (has_auto(algorithms) ? "; ratio = raw MPI time / libfsdp auto time (> 1: auto "
                                       "is faster than plain Open MPI)"
-                                    : ""));
+                                    : "") +
+              (compared_with_two_level(algorithms).empty()
+                   ? ""
+                   : "; <flat>/two_level = that algorithm's time / two_level's (> 1: two_level "
+                     "is faster)"));
 }
 
 // Times one case, prints its row, and adds it to `large` from 1 MiB up.
@@ -452,6 +483,16 @@ void measure(Report& report, const Options& o, const std::string& op, const Case
     // defined when n = 1 makes busbw 0.
     const double ratio = raw.median_us / s[algorithms.size() - 1].median_us;
     if (k.bytes >= kMiB) large.ratios[op].push_back(ratio);
+    row.emplace_back(ratio);
+  }
+  const auto index_of = [&algorithms](fsdp::CpuAlgorithm a) {
+    return static_cast<size_t>(std::find(algorithms.begin(), algorithms.end(), a) -
+                               algorithms.begin());
+  };
+  for (const fsdp::CpuAlgorithm a : compared_with_two_level(algorithms)) {
+    const double ratio =
+        s[index_of(a)].median_us / s[index_of(fsdp::CpuAlgorithm::TwoLevel)].median_us;
+    if (k.bytes >= kMiB) large.two_level[a][op].push_back(ratio);
     row.emplace_back(ratio);
   }
   report.row(row);
@@ -517,6 +558,21 @@ void summarize_target(Report& report, const Large& large, int world_size, int ra
                  fmt::format("{}: {} (worst {:.2f}x, {} {}){}", target, met ? "MET" : "NOT MET",
                              worst.x_limit, worst_op, format_size(worst.bytes),
                              oversubscription));
+}
+
+// Per flat algorithm and op, the mean of its time / two_level's from 1 MiB up.
+void summarize_two_level(Report& report, const Large& large) {
+  nlohmann::json all = nlohmann::json::object();
+  for (const auto& [a, per_op] : large.two_level) {
+    std::string text;
+    for (const auto& [op, ratios] : per_op) {
+      all[fsdp::to_string(a)][op] = mean(ratios);
+      text += fmt::format("{}{} {:.3f}", text.empty() ? "" : ", ", op, mean(ratios));
+    }
+    report.note(fmt::format("mean time ratio libfsdp {} / two_level for sizes >= 1 MiB: {}",
+                            fsdp::to_string(a), text));
+  }
+  if (!all.empty()) report.summary("mean_over_two_level_from_1MiB", all);
 }
 
 void summarize_ratios(Report& report, const Large& large) {
@@ -588,7 +644,8 @@ int run(const Options& o, const fsdp::Runtime& rt) {
                {"reduce_scatter_shm_min_bytes", startup.reduce_scatter_shm_min_bytes},
                {"reduce_scatter_shm_max_bytes", startup.reduce_scatter_shm_max_bytes},
                {"all_reduce_shm_min_bytes", startup.all_reduce_shm_min_bytes},
-               {"all_reduce_shm_max_bytes", startup.all_reduce_shm_max_bytes}});
+               {"all_reduce_shm_max_bytes", startup.all_reduce_shm_max_bytes},
+               {"two_level_min_bytes", startup.two_level_min_bytes}});
   add_runtime_meta(report, rt);
   notes(report, o, algorithms, startup);
 
@@ -605,6 +662,7 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   summarize_x_limits(report, algorithms, large);
   summarize_target(report, large, rt.world_size(), rt.local_size());
   summarize_ratios(report, large);
+  summarize_two_level(report, large);
   report.finish();
   MPI_Comm_free(&comm);
   return 0;
@@ -646,7 +704,8 @@ void add_collectives_command(CLI::App& app, Command& chosen) {
   for (const fsdp::CpuAlgorithm a : kAlgorithms) algorithm_names.push_back(fsdp::to_string(a));
   sub->add_option("--algorithms", o->algorithms,
                   "libfsdp CPU algorithms to run, comma-separated (columns in the order "
-                  "mpi, ring, pairwise, shm, auto)")
+                  "mpi, ring, pairwise, shm, two_level, auto; with two_level, each flat one "
+                  "selected gets a '<flat>/two_level' time-ratio column)")
       ->delimiter(',')
       ->check(CLI::IsMember(algorithm_names))
       ->default_str("mpi,ring,pairwise,shm,auto");

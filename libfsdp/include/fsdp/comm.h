@@ -49,9 +49,12 @@ enum class CpuAlgorithm {
   Ring,      // a ring over point-to-point: N-1 steps with the two neighbours
   Pairwise,  // a direct exchange with every peer; reductions in rank order
   Shm,       // through shared memory on one node (Pairwise where the group spans nodes)
+  TwoLevel,  // across nodes: Pairwise between nodes, shared memory inside each
+             // (Pairwise where the group is on one node or its nodes hold
+             // different rank counts)
 };
 std::string to_string(CpuAlgorithm a);
-// "auto", "mpi", "ring", "pairwise", "shm"; ArgumentError naming `argument` and the
+// "auto", "mpi", "ring", "pairwise", "shm", "two_level"; ArgumentError naming `argument` and the
 // accepted names otherwise.
 CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& argument);
 
@@ -79,6 +82,13 @@ struct CpuCollectives {
   int64_t reduce_scatter_shm_max_bytes = 2 << 20;
   int64_t all_reduce_shm_min_bytes = 4 << 10;
   int64_t all_reduce_shm_max_bytes = 512 << 10;
+  // Auto on a group whose ranks span several nodes with the same number
+  // (2 or more) on each: two_level from this block size on, the rules above
+  // below it. fsdp-bench collectives on the simulated 2x2 cluster: from a
+  // 32 KiB block two_level was on par with Open MPI's or faster at 10 Gbit/s
+  // and up to 2x faster than either flat algorithm at 1 Gbit/s
+  // (docs/benchmarks.md#two-level-collectives-across-nodes).
+  int64_t two_level_min_bytes = 32 << 10;
 };
 // Process-wide; read when a collective is issued (queued ones keep their
 // choice). Every rank must set the same value at the same point between

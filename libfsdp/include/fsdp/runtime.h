@@ -44,7 +44,7 @@ struct RuntimeOptions {
   // "detail" (off for "off" or empty).
   std::optional<bool> check_collectives;
   // CPU collective algorithms (fsdp/comm.h, CpuCollectives). Unset:
-  // $FSDP_MPI_ALGO (auto, mpi, ring, pairwise, shm; default auto) and
+  // $FSDP_MPI_ALGO (auto, mpi, ring, pairwise, shm, two_level; default auto) and
   // $FSDP_MPI_ALGO_MIN_BYTES (bytes: every *_min_bytes threshold of auto;
   // default: CpuCollectives' measured per-collective values).
   // Must be the same on every rank (refused with ArgumentError otherwise).

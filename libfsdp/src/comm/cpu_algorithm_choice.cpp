@@ -22,17 +22,18 @@ std::string to_string(CpuAlgorithm a) {
     case CpuAlgorithm::Ring: return "ring";
     case CpuAlgorithm::Pairwise: return "pairwise";
     case CpuAlgorithm::Shm: return "shm";
+    case CpuAlgorithm::TwoLevel: return "two_level";
   }
   return "unknown";
 }
 
 CpuAlgorithm parse_cpu_algorithm(const std::string& text, const std::string& argument) {
   for (CpuAlgorithm a : {CpuAlgorithm::Auto, CpuAlgorithm::Mpi, CpuAlgorithm::Ring,
-                         CpuAlgorithm::Pairwise, CpuAlgorithm::Shm}) {
+                         CpuAlgorithm::Pairwise, CpuAlgorithm::Shm, CpuAlgorithm::TwoLevel}) {
     if (text == to_string(a)) return a;
   }
   throw ArgumentError(argument, "'" + argument + "' = '" + text +
-                                    "'; accepted: auto, mpi, ring, pairwise, shm");
+                                    "'; accepted: auto, mpi, ring, pairwise, shm, two_level");
 }
 
 namespace {
@@ -78,7 +79,8 @@ std::string to_string(const CpuCollectives& s) {
          bytes_text(s.all_gather_min_bytes) + ", reduce-scatter " +
          bytes_text(s.reduce_scatter_min_bytes) + ", all-reduce " +
          bytes_text(s.all_reduce_min_bytes) + ", 16-bit reductions " +
-         bytes_text(s.half_reduce_min_bytes) + ", Open MPI's below)";
+         bytes_text(s.half_reduce_min_bytes) + ", Open MPI's below; across nodes two_level from " +
+         bytes_text(s.two_level_min_bytes) + ")";
 }
 
 }  // namespace fsdp
@@ -95,17 +97,26 @@ std::vector<std::pair<const char*, int64_t*>> thresholds(CpuCollectives& s) {
           {"reduce_scatter_shm_min_bytes", &s.reduce_scatter_shm_min_bytes},
           {"reduce_scatter_shm_max_bytes", &s.reduce_scatter_shm_max_bytes},
           {"all_reduce_shm_min_bytes", &s.all_reduce_shm_min_bytes},
-          {"all_reduce_shm_max_bytes", &s.all_reduce_shm_max_bytes}};
+          {"all_reduce_shm_max_bytes", &s.all_reduce_shm_max_bytes},
+          {"two_level_min_bytes", &s.two_level_min_bytes}};
 }
 
 Choice choose(Collective op, c10::ScalarType dtype, int64_t block_bytes, int size,
-              bool has_arena) {
+              bool has_arena, bool has_two_level) {
   if (size == 1) return {};
   const CpuCollectives s = cpu_collectives();
   if (s.algorithm != CpuAlgorithm::Auto) {
-    const CpuAlgorithm a =
-        s.algorithm == CpuAlgorithm::Shm && !has_arena ? CpuAlgorithm::Pairwise : s.algorithm;
+    // Shm and TwoLevel where their structure is missing: pairwise, which
+    // both fall back to (and whose order shm shares).
+    const bool missing = (s.algorithm == CpuAlgorithm::Shm && !has_arena) ||
+                         (s.algorithm == CpuAlgorithm::TwoLevel && !has_two_level);
+    const CpuAlgorithm a = missing ? CpuAlgorithm::Pairwise : s.algorithm;
     return {a, a};
+  }
+  // A group spanning nodes has no arena of its own (has_arena is false), so
+  // the shared choice never applies there.
+  if (has_two_level && block_bytes >= s.two_level_min_bytes) {
+    return {CpuAlgorithm::TwoLevel, CpuAlgorithm::TwoLevel};
   }
   const bool gather = op == Collective::AllGather;
   int64_t from = gather                             ? s.all_gather_min_bytes

@@ -119,9 +119,14 @@ class MpiBackend final : public Backend {
     peers_.arena = arena_.get();
     cross_.nodes = nodes_of_comm(comm_);
     cross_.rank = peers_.rank;
+    // Collective too: the node and rail communicators of a group spanning
+    // nodes evenly (null elsewhere, where two_level runs as pairwise).
+    two_level_ = cpu::TwoLevel::create(comm_, poll_);
+    peers_.two_level = two_level_.get();
   }
   ~MpiBackend() override {
     thread_.reset();  // drain and join before the communicators go
+    two_level_.reset();
     arena_.reset();
     MPI_Comm_free(&peers_.comm);
     MPI_Comm_free(&comm_);
@@ -132,7 +137,7 @@ class MpiBackend final : public Backend {
     const int count = to_int(in.numel(), "input");
     const cpu::Choice choice = cpu::choose(cpu::Collective::AllGather, in.scalar_type(),
                                            static_cast<int64_t>(in.nbytes()), size_,
-                                           arena_ != nullptr);
+                                           arena_ != nullptr, two_level_ != nullptr);
     return submit("all_gather", in, count, -1, async_op, [this, out, in, dt, count, choice] {
       begin_reported_cross_node_bytes();
       if (choice.shared != choice.plain && cpu::all_gather_if_shared(peers_, out, in)) {
@@ -141,10 +146,13 @@ class MpiBackend final : public Backend {
       }
       const CpuAlgorithm algorithm = choice.plain;
       const int64_t es = static_cast<int64_t>(in.element_size());
-      const int64_t model = algorithm == CpuAlgorithm::Ring ? cross_.ring_all_gather(in.numel(), es)
-                            : algorithm == CpuAlgorithm::Shm
-                                ? 0
-                                : cross_.pairwise_all_gather(in.numel(), es);
+      const int64_t model =
+          runs_two_level(algorithm)
+              ? cpu::two_level_cross_node_bytes(*two_level_, cpu::Collective::AllGather,
+                                                in.scalar_type(), in.numel())
+          : algorithm == CpuAlgorithm::Ring ? cross_.ring_all_gather(in.numel(), es)
+          : algorithm == CpuAlgorithm::Shm  ? 0
+                                            : cross_.pairwise_all_gather(in.numel(), es);
       if (algorithm != CpuAlgorithm::Mpi) {
         cpu::all_gather(peers_, algorithm, out, in);
         account("all_gather", algorithm, model);  // after: the algorithm may report its bytes
@@ -172,7 +180,7 @@ class MpiBackend final : public Backend {
     const int count = to_int(out.numel(), "output");
     const cpu::Choice choice = cpu::choose(cpu::Collective::ReduceScatter, in.scalar_type(),
                                            static_cast<int64_t>(out.nbytes()), size_,
-                                           arena_ != nullptr);
+                                           arena_ != nullptr, two_level_ != nullptr);
     return submit("reduce_scatter", in, count, static_cast<int64_t>(op), async_op,
                   [this, out, in, dt, mop, count, op, choice] {
       begin_reported_cross_node_bytes();
@@ -183,7 +191,10 @@ class MpiBackend final : public Backend {
       const CpuAlgorithm algorithm = choice.plain;
       const int64_t es = static_cast<int64_t>(in.element_size());
       const int64_t model =
-          algorithm == CpuAlgorithm::Ring
+          runs_two_level(algorithm)
+              ? cpu::two_level_cross_node_bytes(*two_level_, cpu::Collective::ReduceScatter,
+                                                in.scalar_type(), out.numel())
+          : algorithm == CpuAlgorithm::Ring
               ? cross_.ring_reduce_scatter(out.numel(), acc_size(in.scalar_type()))
           : algorithm == CpuAlgorithm::Shm ? 0
                                            : cross_.pairwise_reduce_scatter(out.numel(), es);
@@ -214,14 +225,18 @@ class MpiBackend final : public Backend {
     // Never the shared choice: all-reduce stages its operand wherever it lives.
     const CpuAlgorithm algorithm =
         cpu::choose(cpu::Collective::AllReduce, t.scalar_type(),
-                    static_cast<int64_t>(t.nbytes()) / size_, size_, arena_ != nullptr)
+                    static_cast<int64_t>(t.nbytes()) / size_, size_, arena_ != nullptr,
+                    two_level_ != nullptr)
             .plain;
     return submit("all_reduce", t, count, static_cast<int64_t>(op), async_op,
                   [this, t, dt, mop, count, op, algorithm] {
       begin_reported_cross_node_bytes();
       const int64_t es = static_cast<int64_t>(t.element_size());
       const int64_t model =
-          algorithm == CpuAlgorithm::Ring
+          runs_two_level(algorithm)
+              ? cpu::two_level_cross_node_bytes(*two_level_, cpu::Collective::AllReduce,
+                                                t.scalar_type(), t.numel())
+          : algorithm == CpuAlgorithm::Ring
               ? cross_.ring_all_reduce(t.numel(), es, acc_size(t.scalar_type()))
           : algorithm == CpuAlgorithm::Shm ? 0
                                            : cross_.pairwise_all_reduce(t.numel(), es);
@@ -348,10 +363,15 @@ class MpiBackend final : public Backend {
   // that reported nothing.
   void account(const char* op, CpuAlgorithm algorithm, int64_t model) {
     const int64_t reported = take_reported_cross_node_bytes();
+    // two_level without its communicators runs as pairwise, and is modelled so.
     const bool known = algorithm == CpuAlgorithm::Ring || algorithm == CpuAlgorithm::Pairwise ||
-                       algorithm == CpuAlgorithm::Shm;
+                       algorithm == CpuAlgorithm::Shm || algorithm == CpuAlgorithm::TwoLevel;
     count_cross_node(op, group_name_, to_string(algorithm), reported >= 0 ? reported : model,
                      reported < 0 && !known);
+  }
+  // two_level with its node and rail communicators (else it runs pairwise).
+  bool runs_two_level(CpuAlgorithm a) const {
+    return a == CpuAlgorithm::TwoLevel && two_level_ != nullptr;
   }
   // Ring reductions pass partial sums in the accumulation type.
   static int64_t acc_size(c10::ScalarType t) {
@@ -404,6 +424,7 @@ class MpiBackend final : public Backend {
   cpu::Peers peers_;  // libfsdp's own algorithms: a duplicate of comm_
   std::shared_ptr<cpu::SharedArena> arena_;  // peers_.arena; null: none
   CrossNodeModel cross_;  // the node of each group rank (count_cross_node)
+  std::unique_ptr<cpu::TwoLevel> two_level_;  // peers_.two_level; null: none
   uint64_t sequence_ = 0;
   std::unique_ptr<CommThread> thread_ = std::make_unique<CommThread>();
 };
