@@ -127,6 +127,18 @@ bool ParamGroup::reduces() const {
   return false;
 }
 
+size_t ParamGroup::fused_gather_buffer(int64_t ws) {
+  const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
+                        c10::elementSize(fused_gather_options_.dtype().toScalarType());
+  if (!fused_gather_out_.defined()) {
+    fused_gather_out_ =
+        shard_group_->empty_for_collectives({fused_block_numel_ * ws}, fused_gather_options_);
+  } else {
+    compat::restore_storage(fused_gather_out_, nbytes);
+  }
+  return nbytes;
+}
+
 void ParamGroup::issue_unshard() {
   if (unsharded_ || gather_issued_) return;
   gather_issued_ = true;
@@ -149,14 +161,7 @@ void ParamGroup::issue_unshard() {
   // own and no separate input buffer exists.
   const int64_t me = shard_group_->rank();
   if (fused_ && fused_block_numel_ > 0) {
-    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
-                          c10::elementSize(fused_gather_options_.dtype().toScalarType());
-    if (!fused_gather_out_.defined()) {
-      fused_gather_out_ =
-          shard_group_->empty_for_collectives({fused_block_numel_ * ws}, fused_gather_options_);
-    } else {
-      compat::restore_storage(fused_gather_out_, nbytes);
-    }
+    const size_t nbytes = fused_gather_buffer(ws);
     const at::Tensor mine = fused_gather_out_.narrow(0, me * fused_block_numel_, fused_block_numel_);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
@@ -253,14 +258,7 @@ void ParamGroup::issue_post_forward_unshard() {
   if (fused_ && fused_block_numel_ > 0) {
     // The fused buffer is rank-major ([ws][block]): this rank's piece is the
     // contiguous rows of shard ranks j*per .. j*per+per-1.
-    const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
-                          c10::elementSize(fused_gather_options_.dtype().toScalarType());
-    if (!fused_gather_out_.defined()) {
-      fused_gather_out_ =
-          shard_group_->empty_for_collectives({fused_block_numel_ * ws}, fused_gather_options_);
-    } else {
-      compat::restore_storage(fused_gather_out_, nbytes);
-    }
+    const size_t nbytes = fused_gather_buffer(ws);
     const at::Tensor rows = fused_gather_out_.view({ws, fused_block_numel_}).narrow(0, j * per, per);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];

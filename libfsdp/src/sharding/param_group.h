@@ -124,6 +124,8 @@ class ParamGroup {
   void leave_all_reduce_queue();
   void install();
 
+  // Allocates (or regrows in place) fused_gather_out_ for ws ranks; its bytes.
+  size_t fused_gather_buffer(int64_t ws);
   // issue_unshard's hpZ path: the pieces' all-gathers over the post-forward group.
   void issue_post_forward_unshard();
 
