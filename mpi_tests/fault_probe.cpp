@@ -12,6 +12,9 @@
 //   fault_probe unit       the last rank sleeps instead of running a
 //                          fully_shard model's forward (the watchdog names
 //                          the FSDP unit whose all-gather is stuck)
+//   fault_probe hpz        the last rank sleeps while the others switch a
+//                          sharded model to hpZ (set_reshard_after_forward(
+//                          within_node()), which splits communicators)
 //
 // Exit status: 0 if the collective completed (a failed test), 3 if the
 // library threw (printed as "fault_probe: rank R caught <type>: <what>").
@@ -35,8 +38,8 @@
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode != "stall" && mode != "sigstop" && mode != "mismatch" && mode != "kill" &&
-      mode != "segv" && mode != "unit") {
-    std::cerr << "usage: fault_probe stall|sigstop|mismatch|kill|segv|unit\n";
+      mode != "segv" && mode != "unit" && mode != "hpz") {
+    std::cerr << "usage: fault_probe stall|sigstop|mismatch|kill|segv|unit|hpz\n";
     return 2;
   }
   fsdp::RuntimeOptions options;
@@ -55,6 +58,15 @@ int main(int argc, char** argv) {
     if (faulty) std::this_thread::sleep_for(std::chrono::hours(1));
     model(at::ones({4, 64})).sum().backward();
     std::cerr << "fault_probe: rank " << rt.world_rank() << ": the step completed\n";
+    return 0;
+  }
+  if (mode == "hpz") {
+    torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 64));
+    auto model = fsdp::fully_shard(net);
+    if (faulty) std::this_thread::sleep_for(std::chrono::hours(1));
+    model->set_reshard_after_forward(fsdp::ReshardAfterForward::within_node());
+    std::cerr << "fault_probe: rank " << rt.world_rank() << ": switched to hpZ\n";
     return 0;
   }
   try {

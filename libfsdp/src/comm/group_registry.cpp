@@ -105,6 +105,18 @@ ProcessGroupPtr group_for(const std::vector<int>& members) {
   return group;
 }
 
+namespace {
+// MPI_Comm_split/_dup block until every member arrives, and no watchdog sees
+// them: a member that stalled before the call (or never makes it) would leave
+// the others hanging silently. A watched collective over the same members
+// first turns that into a report naming the group and an abort (FSDP_TIMEOUT,
+// docs/architecture.md#watchdog); once it completes, every member is at the split.
+void wait_for_every_member(const ProcessGroupPtr& group) {
+  at::Tensor arrived = at::zeros({1}, at::kLong);
+  group->all_reduce(arrived)->wait();
+}
+}  // namespace
+
 ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose) {
   auto* impl = dynamic_cast<ProcessGroupImpl*>(group.get());
   if (impl == nullptr) throw StateError("side_group_for: not a libfsdp process group");
@@ -117,15 +129,10 @@ ProcessGroupPtr side_group_for(const ProcessGroupPtr& group, SideGroup purpose) 
   }
   // Every member reaches this point for the same group and purpose in the
   // same order (its callers are SPMD), and no member has it cached unless
-  // all have. MPI_Comm_dup blocks until every member arrives and no watchdog
-  // sees it. fully_shard creates its reduction groups where every rank is
-  // (inside fully_shard); a checkpoint group is created by the first save,
-  // which a stalled rank may never reach: a watched collective first turns
-  // that into a report and an abort (FSDP_TIMEOUT) instead of a silent hang.
-  if (purpose == SideGroup::Checkpoint) {
-    at::Tensor arrived = at::zeros({1}, at::kLong);
-    group->all_reduce(arrived)->wait();
-  }
+  // all have. fully_shard creates its reduction groups where every rank is
+  // (inside fully_shard, past its own collectives); a checkpoint group is
+  // created by the first save, which a stalled rank may never reach.
+  if (purpose == SideGroup::Checkpoint) wait_for_every_member(group);
   MPI_Comm comm = impl->duplicate_communicator();
   // Its thread waits by polling: a second comm thread spinning inside MPI
   // beside the all-gathers' would take the compute threads' cores.
@@ -148,6 +155,8 @@ ProcessGroupPtr subgroup_for(const ProcessGroupPtr& group, int size) {
   std::vector<int> members(all.begin() + k * size, all.begin() + (k + 1) * size);
   // Split even when cached, as group_for does: every member calls this
   // together, and a member that skipped the split would leave the others in it.
+  // set_reshard_after_forward reaches this between steps, where a rank may stall.
+  wait_for_every_member(group);
   MPI_Comm comm = impl->split_communicator(k, group->rank() % size);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -164,6 +173,7 @@ ProcessGroupPtr subgroup_for(const ProcessGroupPtr& group, int size) {
 std::vector<int> members_on_this_node(const ProcessGroupPtr& group) {
   auto* impl = dynamic_cast<ProcessGroupImpl*>(group.get());
   if (impl == nullptr) throw StateError("members_on_this_node: not a libfsdp process group");
+  wait_for_every_member(group);
   MPI_Comm node = impl->split_communicator(-1, 0);
   int n = 0;
   check_mpi(MPI_Comm_size(node, &n), "MPI_Comm_size");
