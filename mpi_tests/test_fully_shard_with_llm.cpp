@@ -3,7 +3,8 @@
 //   L3-01 test_llm_decoder_hsdp_vs_ddp     np 4, HSDP replicate 2 x shard 2 (and 1-D x4)
 //   [ours] test_llm_decoder_hpz_vs_ddp     np 4, FSDP 1-D x4 with hpZ over 2 ranks (and
 //                                          within_node())
-//   L3-02 test_llm_decoder_fsdp_1d_vs_ddp  np 2, FSDP 1-D (and HSDP 2x1)
+//   L3-02 test_llm_decoder_fsdp_1d_vs_ddp  np 2, FSDP 1-D (and HSDP 2x1); np 4, 1-D x4
+//                                          (and HSDP 2x2, where the 2-D mesh shards)
 //   L3-03 test_moe_llm_ep_fsdp_vs_ddp      np 4, MoE decoder, EP (replicate 1, efsdp 2,
 //                                          ep 2) (and (2, 1, 2))
 //   L3-05 test_chunked_ce_fsdp_vs_ddp      np 2, vocab 32768, CE in chunks of 512 tokens
@@ -60,11 +61,14 @@ BOOST_AUTO_TEST_CASE(test_llm_decoder_hpz_vs_ddp,  // [ours]
 }
 
 BOOST_AUTO_TEST_CASE(test_llm_decoder_fsdp_1d_vs_ddp,  // L3-02
-                     *spmd::needs_world_size(2, "L3-02: FSDP 1-D; it runs in "
-                                                "test_fully_shard_with_llm_np2")) {
+                     *spmd::skip_unless([] { return spmd::world_size() == 2 ||
+                                                    spmd::world_size() == 4; },
+                                        "needs 2 or 4 ranks: L3-02: FSDP 1-D and HSDP 2x1 in "
+                                        "test_fully_shard_with_llm_np2, 1-D and 2x2 in _np4")) {
   auto c = ref::make_case("llm_decoder");
   l1::Report report("L3-02");
-  auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));
+  const auto [one_d, two_d] = l3::one_d_and_two_d();
+  auto runs = l3::run_layouts(*c, one_d, two_d);
   l3::check_against_baselines(report, runs, kTol);
   report.publish();
 }

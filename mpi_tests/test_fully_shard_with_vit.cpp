@@ -1,18 +1,26 @@
 // Vision and multimodal models under fully_shard (the plan's
-// _test_fully_shard_with_vit.py), Level 3, fp32, np 2:
+// _test_fully_shard_with_vit.py), Level 3, fp32, np 2 and np 4:
 //   L3-04 test_vit_fsdp_vs_ddp             6-block ViT; patch embedding and head
 //                                          replicated (not sharded)
 //   L3-06 test_multimodal_deepstack_fsdp   4-block ViT -> projection MLP (replicated)
 //                                          -> 2-layer decoder; sub-models sharded
 //                                          independently
 // Each: 2 AdamW steps against the cached single-card reference and an
-// independent DDP run at 1e-5, FSDP 1-D and HSDP 2x1, rerun bitwise identical.
+// independent DDP run at 1e-5, FSDP 1-D and HSDP (2x1 at np 2, 2x2 at np 4,
+// where the 2-D mesh shards), rerun bitwise identical. "Not sharded" is
+// asserted on the parameters' placements and local shapes, beside a sharded
+// control in the same run.
 #include "l3_util.h"
 #include "spmd.h"
 
 #include <fsdp/comm.h>
 
 namespace {
+boost::unit_test::precondition two_or_four_ranks(const std::string& reason) {
+  return spmd::skip_unless([] { return spmd::world_size() == 2 || spmd::world_size() == 4; },
+                           "needs 2 or 4 ranks: " + reason);
+}
+
 constexpr double kTol = 1e-5;  // plan: FSDP 1-D, fp32
 
 // max |t - rank 0's t| over all ranks: 0 when bitwise identical everywhere.
@@ -24,11 +32,20 @@ double spread_over_ranks(const at::Tensor& t) {
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,  // L3-04
-                     *spmd::needs_world_size(2, "L3-04 runs on FSDP 1-D at 2 ranks")) {
+                     *two_or_four_ranks("L3-04 runs on FSDP 1-D at 2 ranks (and 2x2 at 4)")) {
   auto c = ref::make_case("vit");
   l1::Report report("L3-04");
-  auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));
+  const auto [one_d, two_d] = l3::one_d_and_two_d();
+  auto runs = l3::run_layouts(*c, one_d, two_d);
   l3::check_against_baselines(report, runs, kTol);
+  for (const auto* run : {&runs.main, &runs.other}) {
+    const bool main = run == &runs.main;
+    if (!l3::shards(main ? one_d : two_d)) continue;  // 2x1: nothing is sharded
+    const std::string& label = main ? runs.main_label : runs.other_label;
+    l3::check_placement(report, label, *run, "patch_embed.", /*replicated=*/true);
+    l3::check_placement(report, label, *run, "head.", /*replicated=*/true);
+    l3::check_placement(report, label, *run, "block0.", /*replicated=*/false);
+  }
   // The replicated patch embedding: every rank holds the same full gradient,
   // bit for bit, and it equals the DDP baseline's.
   const std::string patch = "patch_embed.weight";
@@ -42,11 +59,20 @@ BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,  // L3-04
 }
 
 BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,  // L3-06
-                     *spmd::needs_world_size(2, "L3-06 runs on FSDP 1-D at 2 ranks")) {
+                     *two_or_four_ranks("L3-06 runs on FSDP 1-D at 2 ranks (and 2x2 at 4)")) {
   auto c = ref::make_case("multimodal");
   l1::Report report("L3-06");
-  auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));
+  const auto [one_d, two_d] = l3::one_d_and_two_d();
+  auto runs = l3::run_layouts(*c, one_d, two_d);
   l3::check_against_baselines(report, runs, kTol);
+  for (const auto* run : {&runs.main, &runs.other}) {
+    const bool main = run == &runs.main;
+    if (!l3::shards(main ? one_d : two_d)) continue;  // 2x1: nothing is sharded
+    const std::string& label = main ? runs.main_label : runs.other_label;
+    l3::check_placement(report, label, *run, "projector.", /*replicated=*/true);
+    l3::check_placement(report, label, *run, "vision.block0.", /*replicated=*/false);
+    l3::check_placement(report, label, *run, "decoder.layer0.", /*replicated=*/false);
+  }
   // The gradient crosses the sub-model boundaries: the projection MLP (fed
   // by the ViT, feeding the decoder) and the ViT itself get gradient.
   for (size_t k = 0; k < runs.main.steps.size(); ++k) {

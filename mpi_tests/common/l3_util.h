@@ -76,6 +76,17 @@ inline ref::RunSpec fsdp(std::vector<int64_t> shape) {
   return s;
 }
 
+// The FSDP 1-D cases' two meshes at this world size: 1-D over every rank,
+// and HSDP replicate 2 x shard N/2 -- at 2 ranks 2x1, where the shard dim
+// has one rank and nothing is sharded, hence the np 4 entries' 2x2.
+inline std::pair<ref::RunSpec, ref::RunSpec> one_d_and_two_d() {
+  const int64_t n = spmd::world_size();
+  return {fsdp({n}), fsdp({2, n / 2})};
+}
+
+// Shards: the mesh's shard dim has more than one rank.
+inline bool shards(const ref::RunSpec& spec) { return spec.mesh_shape.back() > 1; }
+
 // dp2ep: dense weights on (replicate, efsdp x ep), experts on ep and
 // (replicate, efsdp).
 inline ref::RunSpec fsdp_ep(int64_t replicate, int64_t efsdp, int64_t ep) {
@@ -225,6 +236,39 @@ inline void compare(l1::Report& report, const std::string& label, const ref::Run
       }
     }
   }
+}
+
+// How a run placed the parameters whose names start with `prefix`:
+// replicated (managed by a unit, every placement Replicate(), local shape =
+// full shape) or sharded (a Shard placement and fewer local elements than
+// full). Recorded as the number of parameters placed otherwise (0 expected;
+// +inf when no parameter has the prefix). Each misplaced one is named.
+inline void check_placement(l1::Report& report, const std::string& label,
+                            const ref::RunRecord& run, const std::string& prefix,
+                            bool replicated) {
+  auto numel = [](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  };
+  int matched = 0, wrong = 0;
+  for (const auto& [name, p] : run.placements) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    ++matched;
+    const bool has_shard = p.placements.find("Shard(") != std::string::npos;
+    const bool ok = replicated ? !p.placements.empty() && !has_shard && p.local_shape == p.full_shape
+                               : has_shard && numel(p.local_shape) < numel(p.full_shape);
+    BOOST_TEST(ok, label << ": " << name << " placements [" << p.placements << "], local "
+                         << at::IntArrayRef(p.local_shape) << " of " << at::IntArrayRef(p.full_shape)
+                         << "; expected " << (replicated ? "replicated" : "sharded"));
+    if (!ok) ++wrong;
+  }
+  BOOST_TEST(matched > 0, label << ": no parameter named " << prefix << "*");
+  report.check(label + ": " + prefix + "* " +
+                   (replicated ? "not sharded (Replicate(), full local shape)"
+                               : "sharded (Shard, a part of the rows locally)") +
+                   ": parameters placed otherwise",
+               matched > 0 ? wrong : l1::kInf, 0.0);
 }
 
 // Bitwise equality of two runs (rule 5): every scalar and tensor identical.

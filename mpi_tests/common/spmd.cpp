@@ -3,6 +3,8 @@
 
 #include <fsdp/comm.h>
 
+#include <ATen/Context.h>
+
 #include <boost/test/results_collector.hpp>
 #include <boost/test/tree/traverse.hpp>
 #include <boost/test/tree/visitor.hpp>
@@ -354,6 +356,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   MPI_Comm_dup(MPI_COMM_WORLD, &spmd::g_harness_comm);
+  // The gpu entries compare CUDA runs with CPU references at the plan's fp32
+  // tolerances (1e-5): TF32 (10-bit mantissa) in cuBLAS matmuls or cuDNN
+  // convolutions (on by default for cuDNN) would miss them by design.
+  if (spmd::device().is_cuda()) {
+    at::globalContext().setAllowTF32CuBLAS(false);
+    at::globalContext().setAllowTF32CuDNN(false);
+    if (spmd::rank() == 0) {
+      std::cout << "[spmd] CUDA: TF32 off for matmuls (cuBLAS) and convolutions (cuDNN)"
+                << std::endl;
+    }
+  }
   spmd::g_watchdog = std::make_unique<spmd::Watchdog>();
 
   const std::string exe = spmd::basename_of(argv[0]);

@@ -96,6 +96,20 @@ class FullView {
     }
     return local.detach().to(at::kCPU, at::kFloat).clone();
   }
+  ParamPlacement placement(const std::string& name) const {
+    const at::Tensor& p = params_.at(name);
+    ParamPlacement out;
+    out.local_shape = p.sizes().vec();
+    out.full_shape = out.local_shape;
+    auto d = dtensors_.find(name);
+    if (d != dtensors_.end()) {
+      for (const auto& pl : d->second.placements()) {
+        out.placements += (out.placements.empty() ? "" : ",") + pl.to_string();
+      }
+      out.full_shape = d->second.shape();
+    }
+    return out;
+  }
 
  private:
   std::map<std::string, at::Tensor> params_;
@@ -254,6 +268,7 @@ RunRecord run(const Case& c, const RunSpec& spec) {
   };
 
   RunRecord record;
+  for (const auto& item : named) record.placements[item.key()] = view.placement(item.key());
   for (int64_t step = 0; step < c.steps(); ++step) {
     if (spec.layout == Layout::FSDP) fsdp::reset_collective_counters();
     opt.zero_grad();

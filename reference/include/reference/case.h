@@ -89,8 +89,21 @@ struct StepRecord {
   std::vector<std::string> collectives;
 };
 
+// Where a parameter lives in a run: its placements on its unit's mesh
+// ("Shard(0)", "Replicate()", one per mesh dim, comma-separated; empty when
+// no unit manages it: Single and DDP runs) and its local and full shapes.
+struct ParamPlacement {
+  std::string placements;
+  std::vector<int64_t> local_shape;
+  std::vector<int64_t> full_shape;
+};
+
 struct RunRecord {
   std::vector<StepRecord> steps;
+  // Every parameter by name, as sharded before the first step. Local, like
+  // StepRecord::collectives, and not stored: what "not sharded" is checked
+  // on (the recorded gradients are full tensors under any layout).
+  std::map<std::string, ParamPlacement> placements;
 };
 
 // What a case's forward produced on this rank's slice.
