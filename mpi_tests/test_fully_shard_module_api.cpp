@@ -5,7 +5,8 @@
 // test_fully_shard_module executable (np 1, 2, 4; gpu1, gpu2, gpu4).
 //
 // Cases:
-//   test_fully_shard_list_input                    L1-09
+//   test_fully_shard_list_input                    L1-09 (a list: one shared unit)
+//   test_fully_shard_separate_calls_independent    L1-09 (separate calls: independent)
 //   test_fully_shard_none_mesh                     existing: mesh=None
 //   test_fully_shard_explicit_1d_mesh              existing: mesh=DeviceMesh
 //   test_fully_shard_2d_mesh                       existing: HSDP 2-D mesh
@@ -122,6 +123,84 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_list_input, *multi_rank()) {  // L1-09
     rep.check("fused list: grads vs single card",
               l1::grad_err(*fused, *ref_grads(seed, {global}), ws, spmd::rank()), kGradTol);
   }
+  rep.publish();
+}
+
+// L1-09 as the plan states it: two modules sharded by separate calls are two
+// units, and a control set on one leaves the other's collectives alone
+// (reshard after forward, gradient sync). A list passed to one call is one
+// unit shared by its modules (above; docs/test-plan.md#l1-09).
+BOOST_AUTO_TEST_CASE(test_fully_shard_separate_calls_independent, *multi_rank()) {  // L1-09
+  const int ws = spmd::world_size();
+  l1::Report rep("L1-09 separate calls");
+  const int64_t seed = 92;
+  toy::Mlp model(seed);
+  model->to(spmd::device());
+  fsdp::FSDPModule u1 = fsdp::fully_shard(model->fc1.ptr());
+  fsdp::FSDPModule u2 = fsdp::fully_shard(model->fc2.ptr());
+  fsdp::FSDPModule root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()));
+  fsdp::Sharded<toy::Mlp> net(model);
+  struct Counts {
+    int64_t all_gathers, reduce_scatters;
+  };
+  // A unit here holds a weight and a bias: one collective each (comm_fusion off).
+  constexpr int64_t kPerUnit = 2;
+  // One step; after forward fc1 / fc2 must hold full (true) or sharded
+  // (false) parameters; gradients of the synchronised units vs the single card.
+  auto step = [&](int64_t bseed, bool fc1_full, bool fc2_full, const std::string& label,
+                  const std::string& synced) {
+    const auto global = toy::global_batch(bseed, kRows);
+    root.zero_grad();
+    const auto b = mine(global);
+    const auto dev = spmd::device();
+    fsdp::reset_collective_counters();
+    at::Tensor loss = toy::mse(net(b.x.to(dev)), b.y.to(dev));
+    std::string mis;
+    BOOST_TEST(l1::numel_state(*model, "fc1", fc1_full, ws, spmd::rank(), &mis),
+               label << ": fc1 after forward: " << mis);
+    mis.clear();
+    BOOST_TEST(l1::numel_state(*model, "fc2", fc2_full, ws, spmd::rank(), &mis),
+               label << ": fc2 after forward: " << mis);
+    loss.backward();
+    rep.check(label + ": " + synced + " grads vs single card",
+              l1::grad_err(*model, *ref_grads(seed, {global}), ws, spmd::rank(), 1.0, synced),
+              kGradTol);
+    const auto& c = fsdp::collective_counters();
+    return Counts{c.total("all_gather"), c.total("reduce_scatter")};
+  };
+  const Counts base = step(921, false, false, "defaults", "fc");
+  // fc1 keeps its parameters after forward: its backward all-gather goes,
+  // fc2 still reshards and gathers again.
+  u1.set_reshard_after_forward(false);
+  const Counts kept1 = step(922, true, false, "fc1 raf=false", "fc");
+  BOOST_TEST(kept1.all_gathers == base.all_gathers - kPerUnit,
+             "fc1 raf=false: " << kept1.all_gathers << " all-gathers, expected "
+                               << base.all_gathers - kPerUnit << " (fc2 unaffected)");
+  u2.set_reshard_after_forward(false);
+  const Counts kept12 = step(923, true, true, "fc1 and fc2 raf=false", "fc");
+  BOOST_TEST(kept12.all_gathers == base.all_gathers - 2 * kPerUnit);
+  u1.set_reshard_after_forward(true);
+  const Counts kept2 = step(924, false, true, "fc2 raf=false only", "fc");
+  BOOST_TEST(kept2.all_gathers == base.all_gathers - kPerUnit);
+  u2.set_reshard_after_forward(true);
+  // fc1 stops synchronising gradients: its reduce-scatter goes, it keeps a
+  // local full gradient; fc2's and the root's are reduced as before.
+  u1.set_requires_gradient_sync(false);
+  const Counts nosync1 = step(925, false, false, "fc1 no gradient sync", "fc2");
+  BOOST_TEST(nosync1.reduce_scatters == base.reduce_scatters - kPerUnit,
+             "fc1 without sync: " << nosync1.reduce_scatters << " reduce-scatters, expected "
+                                  << base.reduce_scatters - kPerUnit
+                                  << " (fc2 and root unaffected)");
+  BOOST_TEST(!u1.unsynced_grads().empty(), "fc1 keeps no unsynchronised gradient");
+  BOOST_TEST(u2.unsynced_grads().empty(), "fc2 kept an unsynchronised gradient");
+  rep.check("fc1 no gradient sync: root (fc3) grads vs single card",
+            l1::grad_err(*model, *ref_grads(seed, {toy::global_batch(925, kRows)}), ws,
+                         spmd::rank(), 1.0, "fc3"),
+            kGradTol);
+  u1.set_requires_gradient_sync(true);
+  const Counts again = step(926, false, false, "fc1 synchronised again", "fc");
+  BOOST_TEST(again.reduce_scatters == base.reduce_scatters);
+  BOOST_TEST(again.all_gathers == base.all_gathers);
   rep.publish();
 }
 
