@@ -19,6 +19,7 @@
 // compares fusion against no-fusion, as the plan's case itself demands, and
 // each of them against the single card.
 //    reference" of L1-13.
+#include "raw_mpi.h"
 #include "precision_util.h"
 #include "spmd.h"
 #include "toy_models.h"
@@ -133,8 +134,7 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
     at::Tensor g = model->fc1->weight.grad().defined()
                        ? model->fc1->weight.grad().detach().contiguous()
                        : at::zeros_like(model->fc1->weight);
-    at::Tensor all = at::empty({ws * g.numel()}, g.options());
-    fsdp::world_group()->all_gather_into_tensor(all, g.view({-1}));
+    const at::Tensor all = raw_mpi::all_gather(g);
     const double across = diff(all.narrow(0, 0, g.numel()), all.narrow(0, g.numel(), g.numel()));
     BOOST_TEST(across > 1e-3, "fc1.weight grads equal across ranks (synchronised?): " << across);
     report(id, "ignored grad difference rank 0 vs rank 1 (must be large)",
@@ -319,8 +319,7 @@ void check_replicate(const fsdp::FullyShardOptions& base, const std::string& id)
   for (const auto& m : s.managed()) {
     if (!replicated.count(m.name)) continue;
     at::Tensor v = m.param.detach().contiguous().cpu();
-    at::Tensor all = at::empty({spmd::world_size() * v.numel()}, v.options());
-    fsdp::world_group()->all_gather_into_tensor(all, v.view({-1}));
+    const at::Tensor all = raw_mpi::all_gather(v);
     double spread = 0;
     for (int k = 1; k < spmd::world_size(); ++k) {
       spread = std::max(spread, diff(all.narrow(0, 0, v.numel()),

@@ -30,6 +30,7 @@
 //    watchdog), the idle experts' gradients are exactly zero (on the single
 //    card too), and everything else matches the single card as in
 //    test_ep_fsdp_coupling.
+#include "raw_mpi.h"
 #include "with_ep_util.h"
 
 namespace {
@@ -95,14 +96,11 @@ double all_err(const Named& got, const Named& want) {
 std::vector<std::string> gather_strings(const std::string& s) {
   const int ws = spmd::world_size();
   const auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor lens = at::empty({ws}, opts);
-  fsdp::world_group()->all_gather_into_tensor(lens,
-                                              at::full({1}, static_cast<int64_t>(s.size()), opts));
+  const at::Tensor lens = raw_mpi::all_gather(at::full({1}, static_cast<int64_t>(s.size()), opts));
   const int64_t width = std::max<int64_t>(1, lens.max().item<int64_t>());
   std::vector<int64_t> codes(static_cast<size_t>(width), 0);
   for (size_t i = 0; i < s.size(); ++i) codes[i] = static_cast<unsigned char>(s[i]);
-  at::Tensor all = at::empty({ws * width}, opts);
-  fsdp::world_group()->all_gather_into_tensor(all, at::tensor(codes, opts));
+  const at::Tensor all = raw_mpi::all_gather(at::tensor(codes, opts));
   const auto a = all.accessor<int64_t, 1>();
   const auto n = lens.accessor<int64_t, 1>();
   std::vector<std::string> out;
@@ -171,7 +169,7 @@ bool routing_agrees(const Run& got, const Run& want, const std::string& label) {
        << " sharded, " << w.margin << " single card (must exceed " << kMinMargin << ")";
     prec::note(os.str());
   }
-  bad_rows = prec::world_reduce(bad_rows, fsdp::ReduceOp::SUM);
+  bad_rows = raw_mpi::sum_over_ranks(bad_rows);
   BOOST_TEST(worst_margin > kMinMargin,
              label << ": routing margin " << worst_margin << " within " << kMinMargin
                    << " of a tie; choose other data (kDataSeed) or model (kModelSeed) seeds");

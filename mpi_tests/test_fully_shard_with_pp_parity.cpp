@@ -156,8 +156,7 @@ void check_config(const Config& c) {
       if (!(e <= grad_err)) grad_err = e;
     }
     report.check("grad vs DDP (every parameter, shard rows, " + n_steps + ")", grad_err, kTol);
-    const double total_checked = prec::world_reduce(static_cast<double>(checked),
-                                                    fsdp::ReduceOp::SUM);
+    const double total_checked = raw_mpi::sum_over_ranks(static_cast<double>(checked));
     const double n_params = static_cast<double>(ddp.params.size());
     BOOST_TEST(total_checked == kDp * n_params * c.steps(),
                "gradients checked: " << total_checked << ", expected " << kDp * n_params
@@ -198,7 +197,7 @@ void check_config(const Config& c) {
       }
     }
     report.check("stage-boundary grad vs reference h.grad (" + n_steps + ")", bd_err, kTol);
-    const double bd_total = prec::world_reduce(static_cast<double>(bd_checked), fsdp::ReduceOp::SUM);
+    const double bd_total = raw_mpi::sum_over_ranks(static_cast<double>(bd_checked));
     BOOST_TEST(bd_total == kDp * (S - 1) * c.n_mb * c.steps(), "boundary gradients checked");
 
     // 4. parameters after the AdamW steps.

@@ -10,6 +10,7 @@
 // where the 2-D mesh shards), rerun bitwise identical. "Not sharded" is
 // asserted on the parameters' placements and local shapes, beside a sharded
 // control in the same run.
+#include "raw_mpi.h"
 #include "l3_util.h"
 #include "spmd.h"
 
@@ -26,7 +27,7 @@ constexpr double kTol = 1e-5;  // plan: FSDP 1-D, fp32
 // max |t - rank 0's t| over all ranks: 0 when bitwise identical everywhere.
 double spread_over_ranks(const at::Tensor& t) {
   at::Tensor root = t.clone();
-  fsdp::world_group()->broadcast(root, 0);
+  raw_mpi::broadcast(root, 0);
   return l1::world_max(l1::diff(t, root));
 }
 }  // namespace

@@ -14,6 +14,7 @@
 // every time is read after settle() (a device synchronize; nothing on the
 // CPU). The ranks' bookkeeping (max_over_ranks, the result exchange) stays
 // on CPU tensors, over MPI.
+#include "raw_mpi.h"
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -67,9 +68,7 @@ double max_over_ranks(double t) {
     auto work = group->recv(token, 0, 99, /*async_op=*/true);
     while (!work->is_completed()) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  auto v = at::full({1}, t, at::kDouble);
-  fsdp::world_group()->all_reduce(v, fsdp::ReduceOp::MAX);
-  return v.item<double>();
+  return raw_mpi::max_over_ranks(t);
 }
 
 }  // namespace

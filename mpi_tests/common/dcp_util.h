@@ -23,6 +23,7 @@
 //              plain, whole on every rank (fully_shard ignores them)
 #pragma once
 
+#include "raw_mpi.h"
 #include "spmd.h"
 
 #include <fsdp/distributed_checkpoint.h>
@@ -252,17 +253,15 @@ inline double train_step(Built& b, int64_t step) {
     // gradients as DDP would, so "plain" is an independent data-parallel run.
     for (auto& p : b.net->parameters()) {
       if (!p.grad().defined()) continue;
-      fsdp::world_group()->all_reduce(p.mutable_grad(), fsdp::ReduceOp::AVG)->wait();
+      raw_mpi::all_reduce_mean(p.mutable_grad());
     }
   } else {
     // The ignored parameter's gradient is each rank's own: average it.
     auto& g = b.net->offset.mutable_grad();
-    if (g.defined()) fsdp::world_group()->all_reduce(g, fsdp::ReduceOp::AVG)->wait();
+    if (g.defined()) raw_mpi::all_reduce_mean(g);
   }
   b.opt->step();
-  at::Tensor l = loss.detach().reshape({1}).to(at::kCPU).to(at::kDouble).clone();
-  fsdp::world_group()->all_reduce(l, fsdp::ReduceOp::AVG)->wait();
-  return l.item<double>();
+  return raw_mpi::mean_over_ranks(loss.item<double>());
 }
 
 inline fsdp::dcp::State state_of(Built& b) {
@@ -338,8 +337,7 @@ inline std::string matrix_root() {
 // A fresh directory (rank 0 clears it; every rank waits for that).
 inline std::string fresh_dir(const std::string& path) {
   if (spmd::rank() == 0) std::filesystem::remove_all(path);
-  at::Tensor t = at::zeros({1});
-  fsdp::world_group()->all_reduce(t)->wait();
+  raw_mpi::barrier();
   return path;
 }
 

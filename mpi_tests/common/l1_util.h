@@ -4,6 +4,7 @@
 #pragma once
 
 #include "spmd.h"
+#include "raw_mpi.h"
 #include "toy_models.h"
 
 #include <fsdp/comm.h>
@@ -33,12 +34,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 inline at::Tensor host(const at::Tensor& t) { return t.detach().to(at::kCPU); }
 
-// Max of a value over every world rank (collective over the world).
-inline double world_max(double v) {
-  at::Tensor t = at::full({1}, v, at::kDouble);
-  fsdp::world_group()->all_reduce(t, fsdp::ReduceOp::MAX);
-  return t.item<double>();
-}
+// Max of a value over every world rank (collective over the world, raw MPI).
+inline double world_max(double v) { return raw_mpi::max_over_ranks(v); }
 
 // Worst errors of one case: check() asserts on this rank, publish() prints
 // the maximum over all ranks (rank 0) as

@@ -12,6 +12,7 @@
 
 #include "l1_util.h"
 #include "spmd.h"
+#include "raw_mpi.h"
 
 #include <reference/case.h>
 #include <reference/store.h>
@@ -319,13 +320,13 @@ inline void check_same_collectives(l1::Report& report, const std::string& label,
     std::string text;
     for (const auto& c : mine) text += c + "\n";
     at::Tensor size = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
-    fsdp::world_group()->broadcast(size, 0);
-    // int32: broadcast takes no byte tensors.
+    raw_mpi::broadcast(size, 0);
+    // int32: raw_mpi takes no byte tensors.
     at::Tensor chars = at::zeros({size.item<int64_t>()}, at::kInt);
     if (spmd::rank() == 0) {
       for (size_t i = 0; i < text.size(); ++i) chars.data_ptr<int32_t>()[i] = text[i];
     }
-    fsdp::world_group()->broadcast(chars, 0);
+    raw_mpi::broadcast(chars, 0);
     std::vector<std::string> first;
     std::string line;
     for (int64_t i = 0; i < chars.numel(); ++i) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "l1_util.h"
+#include "raw_mpi.h"
 #include "spmd.h"
 #include "toy_models.h"
 
@@ -70,9 +71,7 @@ class Report {
   }
   void publish() {
     for (const auto& e : entries_) {
-      at::Tensor t = at::full({1}, e.err, at::kDouble);
-      fsdp::world_group()->all_reduce(t, fsdp::ReduceOp::MAX);
-      const double worst = t.item<double>();
+      const double worst = raw_mpi::max_over_ranks(e.err);
       if (spmd::rank() == 0) {
         std::cout << "[" << id_ << "] " << configuration_ << ": " << e.what << ": worst "
                   << std::scientific << std::setprecision(3) << worst << " (tol " << e.tol

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "spmd.h"
+#include "raw_mpi.h"
 #include "toy_models.h"
 
 #include <fsdp/comm.h>
@@ -205,13 +206,8 @@ inline at::Tensor grad_or_zeros(const Managed& m) {
 // ---------------------------------------------------------------------------
 // Reductions over ranks (test-side, on CPU tensors through the world group)
 
-inline double world_reduce(double v, fsdp::ReduceOp op) {
-  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble));
-  fsdp::world_group()->all_reduce(t, op);
-  return t.item<double>();
-}
-inline double max_over_ranks(double v) { return world_reduce(v, fsdp::ReduceOp::MAX); }
-inline double mean_over_ranks(double v) { return world_reduce(v, fsdp::ReduceOp::AVG); }
+inline double max_over_ranks(double v) { return raw_mpi::max_over_ranks(v); }
+inline double mean_over_ranks(double v) { return raw_mpi::mean_over_ranks(v); }
 
 // Max |a - b| after bringing both to CPU double (0 for two empty tensors).
 inline double diff(const at::Tensor& a, const at::Tensor& b) {
@@ -407,8 +403,7 @@ inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const P
 inline double spread_across_ranks(const at::Tensor& t) {
   const int ws = spmd::world_size();
   const at::Tensor v = t.detach().to(at::kDouble).cpu().contiguous().view({-1});
-  at::Tensor all = at::empty({ws * v.numel()}, v.options());
-  fsdp::world_group()->all_gather_into_tensor(all, v);
+  const at::Tensor all = raw_mpi::all_gather(v);
   double spread = 0;
   for (int k = 1; k < ws; ++k) {
     spread = std::max(spread, diff(all.narrow(0, 0, v.numel()),

@@ -175,7 +175,7 @@ inline Worst compare(Net& mine, Net& ref, double local_loss, double ref_loss) {
   for (const auto& [layer, s] : ref_sq) ref_total += s;
   w.global_norm = std::abs(fsdp::total_grad_norm(mine->parameters()) - std::sqrt(ref_total));
   for (const auto& [layer, s] : sq) {
-    const double norm = std::sqrt(prec::world_reduce(s, fsdp::ReduceOp::SUM));
+    const double norm = std::sqrt(raw_mpi::sum_over_ranks(s));
     w.layer_norm = std::max(w.layer_norm, std::abs(norm - std::sqrt(ref_sq[layer])));
   }
   w.loss = std::abs(prec::mean_over_ranks(local_loss) - ref_loss);

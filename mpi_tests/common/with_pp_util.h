@@ -28,6 +28,7 @@
 
 #include "l1_util.h"
 #include "precision_util.h"
+#include "raw_mpi.h"
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -388,7 +389,7 @@ inline DdpRun run_ddp(const Config& c, const std::vector<int>& local_stages, int
     loss.backward();
     at::Tensor all = at::zeros({ws}, at::kDouble);
     all[rank] = loss.item<double>();
-    fsdp::world_group()->all_reduce(all, fsdp::ReduceOp::SUM);
+    raw_mpi::all_reduce(all, MPI_SUM);
     std::vector<double> per(static_cast<size_t>(ws));
     for (int w = 0; w < ws; ++w) per[static_cast<size_t>(w)] = all[w].item<double>();
     d.rank_loss.push_back(per);
@@ -397,7 +398,7 @@ inline DdpRun run_ddp(const Config& c, const std::vector<int>& local_stages, int
     Named g;
     for (auto& item : net->named_parameters()) {
       at::Tensor grad = item.value().mutable_grad();
-      fsdp::world_group()->all_reduce(grad, fsdp::ReduceOp::SUM);
+      raw_mpi::all_reduce(grad, MPI_SUM);
       g[item.key()] = host_clone(grad);
     }
     for (const auto& [name, t] : g) {
