@@ -144,6 +144,62 @@ Emulation emulate(int64_t seed, const MpConfig& c, const toy::Batch& batch) {
   return e;
 }
 
+// 16-bit compute as a GPU runs it, emulated in fp32 on the CPU for PMlp
+// (where LibTorch 1.13 has no fp16 GEMM): parameters and inputs rounded to
+// `low`, every op accumulating in fp32 and rounding its output to `low` once
+// (cuBLAS GEMMs with fp32 accumulation, elementwise kernels computing in
+// registers), forward and backward by hand; the MSE in fp32 as toy::mse
+// promotes it. Returns the fp32 gradients of the mean loss over (x, y).
+std::map<std::string, at::Tensor> emulate_low_compute(int64_t seed, c10::ScalarType low,
+                                                      const at::Tensor& x, const at::Tensor& y) {
+  prec::PMlp m(seed, false);
+  auto p = prec::named_params(*m);
+  auto r = [low](const at::Tensor& t) { return t.detach().to(at::kCPU, at::kFloat).to(low).to(at::kFloat); };
+  const at::Tensor w1 = r(p.at("fc1.weight")), b1 = r(p.at("fc1.bias"));
+  const at::Tensor w2 = r(p.at("fc2.weight")), b2 = r(p.at("fc2.bias"));
+  const at::Tensor w3 = r(p.at("fc3.weight")), b3 = r(p.at("fc3.bias"));
+  const at::Tensor x0 = r(x);
+  const at::Tensor h1 = r(at::tanh(r(at::addmm(b1, x0, w1.t()))));
+  const at::Tensor h2 = r(at::tanh(r(at::addmm(b2, h1, w2.t()))));
+  const at::Tensor out = r(at::addmm(b3, h2, w3.t()));
+  const at::Tensor yt = y.detach().to(at::kCPU, at::kFloat);
+  const at::Tensor g3 = r((out - yt) * (2.0 / static_cast<double>(out.numel())));
+  std::map<std::string, at::Tensor> g;
+  g["fc3.weight"] = r(g3.t().mm(h2));
+  g["fc3.bias"] = r(g3.sum(0));
+  const at::Tensor d2 = r(r(g3.mm(w3)) * (1 - h2 * h2));
+  g["fc2.weight"] = r(d2.t().mm(h1));
+  g["fc2.bias"] = r(d2.sum(0));
+  const at::Tensor d1 = r(r(d2.mm(w2)) * (1 - h1 * h1));
+  g["fc1.weight"] = r(d1.t().mm(x0));
+  g["fc1.bias"] = r(d1.sum(0));
+  return g;
+}
+
+// L1-13's FSDP gradient, emulated: per pass each rank's slice in `low`
+// compute, its fp32 gradient averaged over the ranks in fp32, the passes
+// accumulated in fp32 (the fp32 main grad). Its max gap to the fp32 single
+// card's gradient (`fp32`, full tensors).
+double emulated_main_grad_gap(int64_t seed, c10::ScalarType low,
+                              const std::vector<toy::Batch>& batches,
+                              const std::map<std::string, at::Tensor>& fp32) {
+  const int ws = spmd::world_size();
+  std::map<std::string, at::Tensor> total;
+  for (const auto& b : batches) {
+    for (int r = 0; r < ws; ++r) {
+      const toy::Batch mine = toy::slice(b, r, ws);
+      for (auto& [name, g] : emulate_low_compute(seed, low, mine.x, mine.y)) {
+        const at::Tensor share = g / static_cast<double>(ws);
+        total[name] = total.count(name) ? total[name] + share : share;
+      }
+    }
+  }
+  double gap = 0;
+  for (const auto& [name, g] : total) {
+    gap = std::max(gap, diff(g, fp32.at(name).detach().to(at::kCPU, at::kFloat)));
+  }
+  return gap;
+}
 
 // L1-10, L1-11 and the fp16/fp32 row: one forward/backward on the toy model
 // under `c`; checks compute dtype (probe), shard storage dtype, output and
@@ -433,6 +489,34 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
                             "the gpu labels asserts it";
     prec::expected_failure(c.id, "2-pass main grad vs fp32 single card", fp32_gap, tol, why);
     prec::expected_failure(c.id, "2-pass grad norm vs fp32 single card", fp32_norm_gap, tol, why);
+
+    // What the fp16 form (gpu labels) will see, estimated here: the same
+    // training emulated with fp16 rounding. The emulator is first held to
+    // the bf16 gap just measured (the same emulation with bf16 rounding must
+    // land within 4x of it), then its fp16 figure is recorded: an expected
+    // failure when above the plan's 1e-5, which the gpu entries keep
+    // asserting (docs/test-plan.md, "L1-13's fp16 form").
+    const double emu_bf16 = emulated_main_grad_gap(seed, at::kBFloat16, batches, prec::named_params(*ref32));
+    const double emu_fp16 = emulated_main_grad_gap(seed, at::kHalf, batches, prec::named_params(*ref32));
+    const double ratio = emu_bf16 / fp32_gap;
+    BOOST_TEST((ratio >= 0.25 && ratio <= 4.0),
+               "the 16-bit emulator's bf16 gap " << emu_bf16 << " is not within 4x of the measured "
+                                                  << fp32_gap << ": its fp16 estimate is not credible");
+    if (rank == 0) {
+      std::cout << "[" << c.id << "] 16-bit emulator: bf16 gap " << emu_bf16 << " (measured "
+                << fp32_gap << "), fp16 gap " << emu_fp16 << std::endl;
+    }
+    const std::string what = "fp16 form, estimated on CPU (fp16-rounding emulation): 2-pass main "
+                             "grad vs fp32 single card";
+    if (emu_fp16 <= tol) {
+      prec::report(c.id, what, emu_fp16, tol);
+    } else {
+      prec::expected_failure(c.id, what, emu_fp16, tol,
+                             "fp16 compute rounds each op to an 11-bit significand; at these "
+                             "gradients that alone exceeds 1e-5: the plan's 1e-5 is not reachable "
+                             "with fp16 parameters, and the gpu entries, which assert it, are "
+                             "expected to miss it by about this much");
+    }
   }
 
   // The fp32 main grad is what keeps the gradient fp32 when the reduction is

@@ -7,8 +7,8 @@
 //                                          (and HSDP 2x2, where the 2-D mesh shards)
 //   L3-03 test_moe_llm_ep_fsdp_vs_ddp      np 4, MoE decoder, EP (replicate 1, efsdp 2,
 //                                          ep 2) (and (2, 1, 2))
-//   L3-05 test_chunked_ce_fsdp_vs_ddp      np 2, vocab 32768, CE in chunks of 512 tokens
-//                                          (2 per rank)
+//   L3-05 test_chunked_ce_fsdp_vs_ddp      np 2 and 4 (as L3-02), vocab 32768, CE in
+//                                          chunks of 512 tokens (at least 2 per rank)
 // Each: 2 AdamW steps; loss, global grad norm, the named gradients and the
 // post-step parameters against the cached single-card reference and an
 // independent DDP run, at the plan's 1e-5 (L3-03: its per-metric
@@ -122,11 +122,14 @@ BOOST_AUTO_TEST_CASE(test_moe_llm_ep_fsdp_vs_ddp,  // L3-03
 }
 
 BOOST_AUTO_TEST_CASE(test_chunked_ce_fsdp_vs_ddp,  // L3-05
-                     *spmd::needs_world_size(2, "L3-05: FSDP 1-D; it runs in "
-                                                "test_fully_shard_with_llm_np2")) {
+                     *spmd::skip_unless([] { return spmd::world_size() == 2 ||
+                                                    spmd::world_size() == 4; },
+                                        "needs 2 or 4 ranks: L3-05: FSDP 1-D and HSDP 2x1 in "
+                                        "test_fully_shard_with_llm_np2, 1-D and 2x2 in _np4")) {
   auto c = ref::make_case("chunked_ce");
   l1::Report report("L3-05");
-  auto runs = l3::run_layouts(*c, l3::fsdp({2}), l3::fsdp({2, 1}));
+  const auto [one_d, two_d] = l3::one_d_and_two_d();
+  auto runs = l3::run_layouts(*c, one_d, two_d);
   l3::check_against_baselines(report, runs, kTol);
   // The chunks partition the loss: their sum equals the cross-entropy of
   // the same logits computed in one piece (plan: 1e-6), in every layout and
