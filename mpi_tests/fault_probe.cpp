@@ -63,9 +63,9 @@ int main(int argc, char** argv) {
   if (mode == "hpz") {
     torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::ReLU(),
                               torch::nn::Linear(64, 64));
-    auto model = fsdp::fully_shard(net);
+    fsdp::FSDPModule unit = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(net.ptr()));
     if (faulty) std::this_thread::sleep_for(std::chrono::hours(1));
-    model->set_reshard_after_forward(fsdp::ReshardAfterForward::within_node());
+    unit.set_reshard_after_forward(fsdp::ReshardAfterForward::within_node());
     std::cerr << "fault_probe: rank " << rt.world_rank() << ": switched to hpZ\n";
     return 0;
   }
