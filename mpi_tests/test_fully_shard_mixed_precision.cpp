@@ -178,8 +178,8 @@ std::map<std::string, at::Tensor> emulate_low_compute(int64_t seed, c10::ScalarT
 
 // L1-13's FSDP gradient, emulated: per pass each rank's slice in `low`
 // compute, its fp32 gradient averaged over the ranks in fp32, the passes
-// accumulated in fp32 (the fp32 main grad). Its max gap to the fp32 single
-// card's gradient (`fp32`, full tensors).
+// accumulated in fp32 (the fp32 main grad). Its max gap to the gradients of
+// the fp32 single card's parameters (`fp32`, by name).
 double emulated_main_grad_gap(int64_t seed, c10::ScalarType low,
                               const std::vector<toy::Batch>& batches,
                               const std::map<std::string, at::Tensor>& fp32) {
@@ -196,7 +196,7 @@ double emulated_main_grad_gap(int64_t seed, c10::ScalarType low,
   }
   double gap = 0;
   for (const auto& [name, g] : total) {
-    gap = std::max(gap, diff(g, fp32.at(name).detach().to(at::kCPU, at::kFloat)));
+    gap = std::max(gap, diff(g, fp32.at(name).grad().detach().to(at::kCPU, at::kFloat)));
   }
   return gap;
 }
