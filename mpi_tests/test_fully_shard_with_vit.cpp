@@ -48,13 +48,20 @@ BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,  // L3-04
     l3::check_placement(report, label, *run, "block0.", /*replicated=*/false);
   }
   // The replicated patch embedding: every rank holds the same full gradient,
-  // bit for bit, and it equals the DDP baseline's.
+  // bit for bit, and it equals the DDP baseline's -- bitwise at 2 ranks, where
+  // a sum of two terms has one order; at 4 libfsdp's all-reduce and MPI's add
+  // the ranks' terms in different orders (a few ulp), so the plan's 1e-5.
   const std::string patch = "patch_embed.weight";
   for (size_t k = 0; k < runs.main.steps.size(); ++k) {
     const at::Tensor g = runs.main.steps[k].grads.at(patch);
     const std::string at = "FSDP 1-D: step " + std::to_string(k) + " " + patch + " grad ";
     report.check(at + "identical on all ranks (bitwise)", spread_over_ranks(g), 0.0);
-    report.check(at + "equals DDP's (bitwise)", l1::diff(g, runs.ddp.steps[k].grads.at(patch)), 0.0);
+    const double vs_ddp = l1::diff(g, runs.ddp.steps[k].grads.at(patch));
+    if (spmd::world_size() == 2) {
+      report.check(at + "equals DDP's (bitwise)", vs_ddp, 0.0);
+    } else {
+      report.check(at + "vs DDP's (4 terms summed in another order)", vs_ddp, kTol);
+    }
   }
   report.publish();
 }
@@ -65,7 +72,14 @@ BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,  // L3-06
   l1::Report report("L3-06");
   const auto [one_d, two_d] = l3::one_d_and_two_d();
   auto runs = l3::run_layouts(*c, one_d, two_d);
-  l3::check_against_baselines(report, runs, kTol);
+  // AdamW's first update is lr * g / (|g| + eps): at 4 ranks the projector
+  // has gradients near eps (1e-8) whose ~1e-9 batch-split difference moves
+  // the weight by 4.7e-5 in every layout, the DDP baseline's too. Those
+  // elements are left to the gradient check (l3::Metrics::adam_eps; the
+  // count is in the metric's name), as the TP suite does.
+  l3::Metrics m;
+  m.adam_eps = c->config().at("optimizer").at("eps").get<double>();
+  l3::check_against_baselines(report, runs, kTol, m);
   for (const auto* run : {&runs.main, &runs.other}) {
     const bool main = run == &runs.main;
     if (!l3::shards(main ? one_d : two_d)) continue;  // 2x1: nothing is sharded
