@@ -17,6 +17,9 @@
 // "[<id>] <what>: worst <err> (tol <tol>)".
 #include "fully_shard_module_util.h"
 
+#include <chrono>
+#include <thread>
+
 // ============================================================================
 // L1-01: set_reshard_after_forward / set_reshard_after_backward at run time.
 // ============================================================================
@@ -217,6 +220,33 @@ BOOST_AUTO_TEST_CASE(test_manual_reshard_unshard_lifecycle, *multi_rank()) {  //
   rep.check("unshard(async) + wait(): fc3 data vs full single-card weights", full_err("fc3"), 0.0);
   BOOST_CHECK_NO_THROW(m.fc1.unshard(/*async_op=*/true).wait());
   expect_numel("fc1", true, "fc1 after unshard(async).wait()");
+
+  // Asynchronous for real: with the other ranks 600 ms late, rank 0's
+  // unshard(async_op=true) returns at once (its all-gather cannot have
+  // completed) and its wait() blocks until they have joined. A synchronous
+  // unshard would spend the 600 ms in the call.
+  m.fc1.reshard();
+  {
+    raw_mpi::barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto since = [&t0] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    fsdp::UnshardHandle h = m.fc1.unshard(/*async_op=*/true);
+    const double returned = since();
+    h.wait();
+    const double done = since();
+    if (rank == 0) {
+      BOOST_TEST(returned < 0.3, "unshard(async_op=true) took " << returned
+                                     << " s to return while the other ranks were 0.6 s late");
+      BOOST_TEST(done > 0.4, "wait() returned after " << done
+                                 << " s, before the late ranks could have joined the all-gather");
+    }
+    expect_numel("fc1", true, "fc1 after a late unshard(async) + wait()");
+    rep.check("late unshard(async) + wait(): fc1 data vs full single-card weights", full_err("fc1"),
+              0.0);
+  }
 
   // An async unshard then reshard() without waiting: no throw, back to shards.
   m.fc1.reshard();
