@@ -8,7 +8,7 @@
 //   L3-03 test_moe_llm_ep_fsdp_vs_ddp      np 4, MoE decoder, EP (replicate 1, efsdp 2,
 //                                          ep 2) (and (2, 1, 2))
 //   L3-05 test_chunked_ce_fsdp_vs_ddp      np 2 and 4 (as L3-02), vocab 32768, CE in
-//                                          chunks of 512 tokens (at least 2 per rank)
+//                                          chunks of 512 tokens (2 per rank at np 2, 1 at 4)
 // Each: 2 AdamW steps; loss, global grad norm, the named gradients and the
 // post-step parameters against the cached single-card reference and an
 // independent DDP run, at the plan's 1e-5 (L3-03: its per-metric
@@ -137,7 +137,9 @@ BOOST_AUTO_TEST_CASE(test_chunked_ce_fsdp_vs_ddp,  // L3-05
   constexpr int64_t kChunk = 512;
   const int64_t tokens = c->global_batch() * c->config().at("model").at("seq").get<int64_t>();
   BOOST_REQUIRE_EQUAL(c->config().at("chunk_tokens").get<int64_t>(), kChunk);
-  BOOST_REQUIRE_GE(tokens / kChunk / spmd::world_size(), 2);
+  // At np 4 one chunk per rank: the np 2 form is the one that iterates
+  // chunks within a rank (docs/test-plan.md, L3-05).
+  BOOST_REQUIRE_GE(tokens / kChunk / spmd::world_size(), spmd::world_size() == 2 ? 2 : 1);
   for (const auto* run : {&runs.main, &runs.other, &runs.ddp, &runs.single}) {
     const std::string who = run == &runs.single  ? "single card"
                             : run == &runs.main  ? runs.main_label
