@@ -24,7 +24,10 @@ done
 
 status=0
 ctest -L cpu --output-on-failure --no-tests=error "$@" || status=$?
+# precision_matrix_report (in -L cpu) is the precision gate: it fails the run when a
+# matrix case did not run, lacks its loss or grad-norm metric, or fails.
 if [ -f "$build/reports/precision-matrix.md" ]; then
-  echo "ci/test.sh: precision matrix: $build/reports/precision-matrix.md (and .json)"
+  echo "ci/test.sh: precision matrix: $build/reports/precision-matrix.md (and .json):" \
+    "$(grep -m1 '^\*\*Gate:' "$build/reports/precision-matrix.md" || echo 'no verdict')"
 fi
 exit "$status"

@@ -15,8 +15,25 @@
 //
 // Baseline everywhere: the same model unsharded on one card (same seed), run
 // on the whole global batch; a rank's sharded gradient must equal its rows of
-// the single-card gradient.
+// the single-card gradient. L1-02 and L1-03 (precision-matrix cases) also
+// record the loss and the global grad norm against the single card, summed
+// over ranks with raw MPI (common/baseline_metrics.h).
+#include "baseline_metrics.h"
 #include "fully_shard_module_util.h"
+
+namespace {
+// Forward + backward of a sharded MLP on this rank's rows; the local loss.
+double step_loss(l1::ShardedMlp& m, const toy::Batch& b) {
+  at::Tensor loss = m.loss(b);
+  loss.backward();
+  return loss.item<double>();
+}
+// The single-card loss of `b` on a reference model (its parameters as they are).
+double ref_loss(toy::MlpImpl& ref, const toy::Batch& b) {
+  at::NoGradGuard no_grad;
+  return toy::mse(ref.forward(b.x), b.y).item<double>();
+}
+}  // namespace
 
 // ============================================================================
 // L1-02: set_requires_all_reduce on a 2x2 HSDP mesh.
@@ -29,6 +46,9 @@ BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce,  // L1-02
   o.mesh = h.mesh;
   const int64_t seed = 21;
   l1::ShardedMlp m(seed, o);
+  // The loss and grad norm metrics (plan rule 3) sum over raw MPI groups: a
+  // replica's shard group (its 2 ranks) and the world.
+  const metrics::SubComm shard_comm(h.replica_index, h.shard_index);
 
   // Off (recurse): each replica keeps its own shard-group mean -- the
   // single-card grad of its half of the batch -- and replicas differ.
@@ -36,14 +56,23 @@ BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce,  // L1-02
     const auto global = toy::global_batch(201, kRows);
     m.root.set_requires_all_reduce(false);
     fsdp::reset_collective_counters();
-    m.step(hsdp_mine(global));
+    const double loss = step_loss(m, hsdp_mine(global));
     const auto c = fsdp::collective_counters();
     BOOST_TEST(c.total("all_reduce", h.replicate_group) == 0,
                "off: all-reduces on the replicate group: " << c.total("all_reduce", h.replicate_group));
     BOOST_TEST(c.total("reduce_scatter", h.shard_group) == kMlpParams,
                "off: reduce-scatters on the shard group: " << c.total("reduce_scatter", h.shard_group));
-    rep.check("off: grads vs single card on the replica's half",
-              hsdp_grad_err(m, h, ref_grads(seed, {replica_rows(global, h.replica_index)})),
+    const auto half = replica_rows(global, h.replica_index);
+    const auto half_ref = ref_grads(seed, {half});
+    rep.check("off: grads vs single card on the replica's half", hsdp_grad_err(m, h, half_ref),
+              kGradTol);
+    // The replica's loss (the mean of its ranks' losses: equal rows) and
+    // grad norm (over its shard group) are the single card's on its half.
+    rep.check("off: replica loss vs single card on the replica's half",
+              std::abs(shard_comm.sum(loss) / 2 - ref_loss(*half_ref, half)), kGradTol);
+    rep.check("off: replica grad norm vs single card on the replica's half",
+              std::abs(metrics::sharded_grad_norm(m.module(), shard_comm.get()) -
+                       metrics::grad_norm(*half_ref)),
               kGradTol);
     const auto gap = replica_gap(m, h, "");
     rep.check_differs("off: replica grads differ (every parameter)", gap.first, kReplicaTol);
@@ -57,15 +86,25 @@ BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce,  // L1-02
     const auto global = toy::global_batch(202, kRows);
     m.root.set_requires_all_reduce(true);
     fsdp::reset_collective_counters();
-    m.step(hsdp_mine(global));
+    const double loss = step_loss(m, hsdp_mine(global));
     const auto c = fsdp::collective_counters();
     BOOST_TEST(c.total("all_reduce", h.replicate_group) == kMlpParams,
                "on: all-reduces on the replicate group: " << c.total("all_reduce", h.replicate_group)
                                                           << ", expected " << kMlpParams);
     rep.check("on (after an off step + zero_grad): replicas equal", replica_gap(m, h, "").second,
               kReplicaTol);
+    const auto full_ref = ref_grads(seed, {global});
     rep.check("on (after an off step + zero_grad): grads vs single card",
-              hsdp_grad_err(m, h, ref_grads(seed, {global})), kGradTol);
+              hsdp_grad_err(m, h, full_ref), kGradTol);
+    // The global loss (the mean over the 4 ranks: equal rows) and each
+    // replica's grad norm (over its shard group) are the single card's.
+    rep.check("on: global loss vs single card",
+              std::abs(metrics::world_sum(loss) / spmd::world_size() - ref_loss(*full_ref, global)),
+              kGradTol);
+    rep.check("on: global grad norm (each replica) vs single card",
+              std::abs(metrics::sharded_grad_norm(m.module(), shard_comm.get()) -
+                       metrics::grad_norm(*full_ref)),
+              kGradTol);
   }
   m.root.zero_grad();
 
@@ -138,6 +177,7 @@ BOOST_AUTO_TEST_CASE(test_set_reduce_op_type, *multi_rank()) {  // L1-03
   // over ranks ("avg") is the global-batch gradient, the sum is ws times it.
   const std::vector<std::string> modes = {"sum", "sum", "avg", "avg", "sum", "avg"};
   double grad_worst_sum = 0, grad_worst_avg = 0, param_worst = 0, state_worst = 0;
+  double loss_worst = 0, norm_worst = 0;  // plan rule 3's metrics, every step
   for (size_t k = 0; k < modes.size(); ++k) {
     const bool sum = modes[k] == "sum";
     if (k == 4) {
@@ -150,11 +190,21 @@ BOOST_AUTO_TEST_CASE(test_set_reduce_op_type, *multi_rank()) {  // L1-03
     const auto global = toy::global_batch(300 + static_cast<int64_t>(k), kRows);
 
     opt.zero_grad();
-    m.step(mine(global));
+    const double loss = step_loss(m, mine(global));
     ref_opt.zero_grad();
-    l1::ref_backward(ref, global);
+    const double want_loss = l1::ref_backward(ref, global);
     const double scale = sum ? ws : 1.0;
     const double ge = l1::grad_err(m.module(), *ref, ws, rank, scale);
+    // The global loss (the mean of the ranks' losses: equal rows) and the
+    // global grad norm of the shards (raw MPI sums over the world) against
+    // the single card's; "sum" scales the gradient, not the loss.
+    const double le = std::abs(metrics::world_sum(loss) / ws - want_loss);
+    const double ne = std::abs(metrics::sharded_grad_norm(m.module(), MPI_COMM_WORLD) -
+                               scale * metrics::grad_norm(*ref));
+    BOOST_TEST(le <= kGradTol, "step " << k << " (" << modes[k] << "): loss error " << le);
+    BOOST_TEST(ne <= kGradTol, "step " << k << " (" << modes[k] << "): grad norm error " << ne);
+    if (!(le <= loss_worst)) loss_worst = le;
+    if (!(ne <= norm_worst)) norm_worst = ne;
     (sum ? grad_worst_sum : grad_worst_avg) = std::max(sum ? grad_worst_sum : grad_worst_avg, ge);
     BOOST_TEST(ge <= kGradTol, "step " << k << " (" << modes[k] << "): grad error " << ge);
 
@@ -187,6 +237,9 @@ BOOST_AUTO_TEST_CASE(test_set_reduce_op_type, *multi_rank()) {  // L1-03
   }
   rep.check("\"sum\": grad vs ref_grad * world_size", grad_worst_sum, kGradTol);
   rep.check("\"avg\": grad vs ref_grad", grad_worst_avg, kGradTol);
+  rep.check("global loss vs single card (6 Adam steps across mode switches)", loss_worst, kGradTol);
+  rep.check("global grad norm vs single card (x world_size under \"sum\"; 6 steps)", norm_worst,
+            kGradTol);
   rep.check("params after Adam steps across mode switches vs single card", param_worst, kGradTol);
   rep.check("Adam exp_avg / exp_avg_sq vs single card", state_worst, kGradTol);
   rep.publish();

@@ -11,6 +11,7 @@
 // Baselines are single-card runs of an unsharded copy of the same model
 // (same seed) -- never another FSDP run (plan rule 1).
 //    reference" of L1-13.
+#include "baseline_metrics.h"
 #include "precision_util.h"
 #include "spmd.h"
 #include "toy_models.h"
@@ -86,7 +87,14 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
   ref->to(spmd::device());
 
   double merged_err = 0, middle_err = 0, min_spread = kInf, replica_spread = 0;
+  // Plan rule 3's metrics per cycle: the accumulated loss and the merged
+  // grad norm against the large-batch single card. The sums over ranks are
+  // raw MPI over the shard group (1-D: the world; HSDP (ws,1): each rank
+  // alone, holding the whole gradient).
+  double loss_err = 0, norm_err = 0;
+  const metrics::SubComm shard_comm(hsdp ? rank : 0, rank);
   for (int cycle = 0; cycle < 2; ++cycle) {
+    double local_loss = 0;  // this rank's micro-losses (each already / N), summed
     std::vector<toy::Batch> batches;
     std::map<std::string, at::Tensor> own_acc;  // single card: this rank's slices so far
     for (int k = 0; k < n_micro; ++k) {
@@ -101,6 +109,7 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
       fsdp::reset_collective_counters();
       at::Tensor loss = toy::mse(s.net(mine.x), mine.y) / n_micro;
       loss.backward();
+      local_loss += loss.item<double>();
       const auto c = fsdp::collective_counters();
       add_into(own_acc, prec::grads_of(*ref, toy::mse(ref(mine.x), mine.y) / n_micro));
       const std::string where = "[" + id + "] cycle " + std::to_string(cycle) + " micro-step " +
@@ -153,7 +162,24 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
     // The large batch on a single card.
     const at::Tensor big_x = at::cat({batches[0].x, batches[1].x, batches[2].x});
     const at::Tensor big_y = at::cat({batches[0].y, batches[1].y, batches[2].y});
-    const auto want = prec::grads_of(*ref, toy::mse(ref(big_x), big_y));
+    const at::Tensor big_loss = toy::mse(ref(big_x), big_y);
+    const auto want = prec::grads_of(*ref, big_loss);
+    {
+      // The large batch's loss is the mean over ranks of their accumulated
+      // micro-losses (equal rows everywhere); its grad norm that of the
+      // merged gradient's shards.
+      const double le = std::abs(metrics::world_sum(local_loss) / ws - big_loss.item<double>());
+      double want_sq = 0;
+      for (const auto& [name, g] : want) want_sq += metrics::sq_sum(g);
+      const double ne = std::abs(metrics::sharded_grad_norm(*s.model, shard_comm.get()) -
+                                 std::sqrt(want_sq));
+      BOOST_TEST(le < tol, "[" << id << "] cycle " << cycle
+                               << " accumulated loss vs large-batch single card: " << le);
+      BOOST_TEST(ne < tol, "[" << id << "] cycle " << cycle
+                               << " merged grad norm vs large-batch single card: " << ne);
+      if (!(le <= loss_err)) loss_err = le;
+      if (!(ne <= norm_err)) norm_err = ne;
+    }
     for (const auto& [name, g] : unsynced_of(s.units())) {
       BOOST_TEST(!g.defined(), "[" << id << "] " << name << ": unsynced gradient left after the "
                                                           "synchronised backward");
@@ -182,6 +208,10 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
     }
     s.root.zero_grad();
   }
+  report(id, "accumulated loss (N micro-steps) vs large-batch single card",
+         prec::max_over_ranks(loss_err), tol);
+  report(id, "merged global grad norm vs large-batch single card", prec::max_over_ranks(norm_err),
+         tol);
   report(id, "merged grad vs large-batch single card", prec::max_over_ranks(merged_err), tol);
   report(id, "middle-step accumulated grad vs single card on own micro-batches",
          prec::max_over_ranks(middle_err), tol);

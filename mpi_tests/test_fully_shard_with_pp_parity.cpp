@@ -13,6 +13,9 @@
 //   1. loss: broadcast_loss on every rank is the dp replica's share of the
 //      step's mean loss (its microbatches / 16), compared with the DDP
 //      ranks' losses on the same rows; summed over dp, the global mean;
+//   1b. the global grad norm: the square root of the sum over the 4 ranks
+//      (raw MPI) of their gradient shards' sums of squares, vs the norm of
+//      the DDP gradient (the precision matrix's second metric, plan rule 3);
 //   2. every parameter's gradient: each rank's local shard vs the same
 //      rows of the DDP gradient (each full-model parameter is checked on
 //      both dp ranks of the stage holding it);
@@ -25,6 +28,7 @@
 //   6. exactly one all-gather and one reduce-scatter per FSDP unit with
 //      parameters per step on the dp group (per parameter without
 //      comm_fusion), and none elsewhere.
+#include "baseline_metrics.h"
 #include "with_pp_util.h"
 
 namespace {
@@ -145,6 +149,20 @@ void check_config(const Config& c) {
     }
     report.check("loss vs DDP (dp replica share and global mean, " + n_steps + ")", loss_err,
                  kTol);
+
+    // 1b. the global grad norm.
+    double norm_err = 0;
+    for (int step = 0; step < c.steps(); ++step) {
+      double mine = 0, want = 0;
+      for (const auto& [name, g] : run.grads[static_cast<size_t>(step)]) mine += metrics::sq_sum(g);
+      for (const auto& [name, g] : ddp.grads[static_cast<size_t>(step)]) want += metrics::sq_sum(g);
+      const double got = std::sqrt(metrics::world_sum(mine));
+      const double e = std::abs(got - std::sqrt(want));
+      BOOST_TEST(e <= kTol, "step " << step << " global grad norm " << got << " vs DDP "
+                                    << std::sqrt(want));
+      if (!(e <= norm_err)) norm_err = e;
+    }
+    report.check("global grad norm vs DDP (" + n_steps + ")", norm_err, kTol);
 
     // 2. gradients, every parameter (each on the two dp ranks of its stage).
     double grad_err = 0;

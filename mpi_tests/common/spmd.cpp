@@ -39,6 +39,7 @@ MPI_Comm g_harness_comm = MPI_COMM_NULL;
 // Precision records: rank 0's JSON-lines file (empty: not recording) and the
 // notes of the running case, by case id.
 std::string g_report_path;
+std::string g_report_run;  // $FSDP_REPORT_DIR/run-id, stamped on every record
 std::string g_executable;
 std::vector<std::pair<std::string, std::string>> g_case_notes;
 
@@ -230,6 +231,29 @@ void open_precision_report(const std::string& exe, const c10::Device& dev) {
     return;
   }
   g_report_path = path;
+  // The run this process belongs to: precision_report_reset (a CTest fixture
+  // every entry requires) clears the directory and writes a fresh id; the
+  // report renders only records carrying the current one. No file: records
+  // get no run id, and the report rejects them as not from a fresh run.
+  std::ifstream run(std::string(dir) + "/run-id");
+  std::getline(run, g_report_run);
+  if (g_report_run.empty()) {
+    std::cerr << "[spmd] no run id in " << dir << "/run-id (written by the CTest fixture "
+              << "precision_report_reset); fsdp-precision-report will reject these records"
+              << std::endl;
+  }
+}
+
+// Appends one JSON line to this run's record file (rank 0).
+void append_record(nlohmann::json j) {
+  j["executable"] = g_executable;
+  j["np"] = world_size();
+  j["device"] = device().str();
+  j["run"] = g_report_run;
+  std::ofstream out(g_report_path, std::ios::app);
+  out << j.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace)
+      << '\n';
+  if (!out) std::cerr << "[spmd] failed to append a record to " << g_report_path << std::endl;
 }
 
 bool note_applies(const std::string& note_id, const std::string& case_id) {
@@ -254,6 +278,14 @@ boost::unit_test::precondition skip_unless(std::function<bool()> holds, std::str
           if (rank() == 0) {
             const auto& unit = boost::unit_test::framework::get(id, boost::unit_test::TUT_ANY);
             std::cout << "SKIPPED " << unit.p_name.get() << ": " << reason << std::endl;
+            // The report shows a skipped plan case as "not run" with this reason.
+            if (!g_report_path.empty()) {
+              nlohmann::json j;
+              j["kind"] = "skipped";
+              j["test_case"] = unit.p_name.get();
+              j["note"] = reason;
+              append_record(std::move(j));
+            }
           }
         }
         return result;
@@ -316,13 +348,7 @@ void record_precision(const PrecisionRecord& r) {
   j["configuration"] = r.configuration;
   j["note"] = note;
   j["test_case"] = test_case;
-  j["executable"] = g_executable;
-  j["np"] = world_size();
-  j["device"] = device().str();
-  std::ofstream out(g_report_path, std::ios::app);
-  out << j.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace)
-      << '\n';
-  if (!out) std::cerr << "[spmd] failed to append a precision record to " << g_report_path << std::endl;
+  append_record(std::move(j));
 }
 
 c10::Device device() { return g_runtime->device(); }

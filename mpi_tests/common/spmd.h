@@ -14,7 +14,12 @@
 //  - records every precision comparison (record_precision) from rank 0 as one
 //    JSON object per line in $FSDP_REPORT_DIR/<executable>_np<N>.jsonl when
 //    FSDP_REPORT_DIR is set (truncated at start-up; fsdp-precision-report
-//    renders the test plan's precision matrix from these files).
+//    renders the test plan's precision matrix from these files). Every
+//    record carries the run id read from $FSDP_REPORT_DIR/run-id (written by
+//    the CTest fixture precision_report_reset), and a case skipped by a
+//    precondition writes a "skipped" record (test case and reason), so the
+//    report can reject records of an earlier run and show a skipped plan
+//    case as not run.
 #pragma once
 
 #include <fsdp/runtime.h>
@@ -40,7 +45,11 @@ std::string current_case();
 // One comparison a case made against its reference (see record_precision).
 struct PrecisionRecord {
   std::string case_id;  // plan id, optionally followed by a variant: "L1-03", "L2-06 reentrant"
-  std::string metric;   // what was compared: "loss vs single card"
+  // What was compared: "loss vs single card". The report reads the metric's
+  // name: a name with the word "loss" ("loss", "step 1 loss", "per-chunk
+  // losses") is a loss metric, one with "grad norm" a grad-norm metric; every
+  // case of the plan's precision matrix must record at least one of each.
+  std::string metric;
   double tolerance = 0;
   // Worst error, already reduced over every rank (max; for kind
   // "separation" the smallest gap, i.e. the min over ranks).
