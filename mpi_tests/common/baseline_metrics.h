@@ -5,6 +5,8 @@
 // libfsdp's own collectives (rule 1).
 #pragma once
 
+#include "raw_mpi.h"
+
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -22,7 +24,7 @@ inline double sum_over(MPI_Comm comm, double v) {
   MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, comm);
   return out;
 }
-inline double world_sum(double v) { return sum_over(MPI_COMM_WORLD, v); }
+inline double world_sum(double v) { return raw_mpi::sum_over_ranks(v); }
 
 // A raw MPI communicator of the world ranks that pass the same `color`
 // (e.g. an HSDP mesh's shard group: color = the replica index). Collective
