@@ -2,13 +2,14 @@
 // (test_fully_shard_with_pp_{parity,errors}.cpp): the model, its stages,
 // the data, the pipelined run and the DDP baseline.
 //
-// Model: six Linear(16,16)+tanh blocks b0..b5 and a Linear(16,5) head (5
-// rows: uneven dim-0 shards), built from one seed on every rank. Each stage
+// Model: five Linear(16,16)+tanh blocks b0..b4 and a Linear(16,5) head (5
+// rows: uneven dim-0 shards) -- 6 layers, the plan's Level-2 limit -- built
+// from one seed on every rank. Each stage
 // copies its blocks' (and the last stage its head's) values from that full
 // model, fully_shards every block over mesh["dp"], then the stage root (the
 // last stage's root manages the head itself):
-//   GPipe, 1F1B  2 stages: b0-b2 | b3-b5 + head           (stage s on pp rank s)
-//   interleaved  4 stages: b0-b1 | b2 | b3-b4 | b5 + head  (stage s on pp rank s % 2)
+//   GPipe, 1F1B  2 stages: b0-b2 | b3-b4 + head        (stage s on pp rank s)
+//   interleaved  4 stages: b0-b1 | b2 | b3 | b4 + head  (stage s on pp rank s % 2)
 // with 2 and 4 microbatches each; mb2 runs without comm_fusion, mb4 with it.
 //
 // Data: a global batch of 16 rows, the same on every rank; dp rank d feeds
@@ -62,7 +63,7 @@ namespace pp = fsdp::pp;
 namespace {
 
 constexpr double kTol = 1e-5;  // plan: PP + FSDP, fp32
-constexpr int64_t kWidth = 16, kOut = 5, kBlocks = 6, kRows = 16, kDp = 2, kPp = 2;
+constexpr int64_t kWidth = 16, kOut = 5, kBlocks = 5, kRows = 16, kDp = 2, kPp = 2;
 constexpr int64_t kModelSeed = 1;
 constexpr int64_t kDataSeed = 9000, kSeqDataSeed = 9600;
 constexpr double kLr = 1e-2;
@@ -133,8 +134,8 @@ TORCH_MODULE(StageNet);
 
 // Blocks [begin, end) of each stage; the last stage also has the head.
 inline std::vector<std::pair<int64_t, int64_t>> stage_blocks(int num_stages) {
-  if (num_stages == 2) return {{0, 3}, {3, 6}};
-  return {{0, 2}, {2, 3}, {3, 5}, {5, 6}};
+  if (num_stages == 2) return {{0, 3}, {3, 5}};
+  return {{0, 2}, {2, 3}, {3, 4}, {4, 5}};
 }
 
 // ---------------------------------------------------------------------------
