@@ -64,7 +64,7 @@ namespace {
 
 constexpr double kTol = 1e-5;  // plan: PP + FSDP, fp32
 constexpr int64_t kWidth = 16, kOut = 5, kBlocks = 5, kRows = 16, kDp = 2, kPp = 2;
-constexpr int64_t kModelSeed = 1;
+constexpr int64_t kModelSeed = 2;  // seed 1 puts a 6-layer DDP gradient element at 1.6e-9
 constexpr int64_t kDataSeed = 9000, kSeqDataSeed = 9600;
 constexpr double kLr = 1e-2;
 // Conditioning of the AdamW comparison. AdamW's first update is
