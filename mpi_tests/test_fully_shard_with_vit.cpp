@@ -39,14 +39,8 @@ BOOST_AUTO_TEST_CASE(test_vit_fsdp_vs_ddp,  // L3-04
   const auto [one_d, two_d] = l3::one_d_and_two_d();
   auto runs = l3::run_layouts(*c, one_d, two_d);
   l3::check_against_baselines(report, runs, kTol);
-  for (const auto* run : {&runs.main, &runs.other}) {
-    const bool main = run == &runs.main;
-    if (!l3::shards(main ? one_d : two_d)) continue;  // 2x1: nothing is sharded
-    const std::string& label = main ? runs.main_label : runs.other_label;
-    l3::check_placement(report, label, *run, "patch_embed.", /*replicated=*/true);
-    l3::check_placement(report, label, *run, "head.", /*replicated=*/true);
-    l3::check_placement(report, label, *run, "block0.", /*replicated=*/false);
-  }
+  l3::check_placements(report, runs, one_d, two_d,
+                       {{"patch_embed.", true}, {"head.", true}, {"block0.", false}});
   // The replicated patch embedding: every rank holds the same full gradient,
   // bit for bit, and it equals the DDP baseline's -- bitwise at 2 ranks, where
   // a sum of two terms has one order; at 4 libfsdp's all-reduce and MPI's add
@@ -80,14 +74,8 @@ BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,  // L3-06
   l3::Metrics m;
   m.adam_eps = c->config().at("optimizer").at("eps").get<double>();
   l3::check_against_baselines(report, runs, kTol, m);
-  for (const auto* run : {&runs.main, &runs.other}) {
-    const bool main = run == &runs.main;
-    if (!l3::shards(main ? one_d : two_d)) continue;  // 2x1: nothing is sharded
-    const std::string& label = main ? runs.main_label : runs.other_label;
-    l3::check_placement(report, label, *run, "projector.", /*replicated=*/true);
-    l3::check_placement(report, label, *run, "vision.block0.", /*replicated=*/false);
-    l3::check_placement(report, label, *run, "decoder.layer0.", /*replicated=*/false);
-  }
+  l3::check_placements(report, runs, one_d, two_d,
+                       {{"projector.", true}, {"vision.block0.", false}, {"decoder.layer0.", false}});
   // The gradient crosses the sub-model boundaries: the projection MLP (fed
   // by the ViT, feeding the decoder) and the ViT itself get gradient.
   for (size_t k = 0; k < runs.main.steps.size(); ++k) {

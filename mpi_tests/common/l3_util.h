@@ -376,6 +376,21 @@ inline Runs run_layouts(const ref::Case& c, const ref::RunSpec& main, const ref:
   return r;
 }
 
+// check_placement for each (prefix, replicated) on both runs of `runs`
+// whose mesh shards (the 2x1 form at 2 ranks shards nothing).
+inline void check_placements(l1::Report& report, const Runs& runs, const ref::RunSpec& main,
+                             const ref::RunSpec& other,
+                             const std::vector<std::pair<std::string, bool>>& expected) {
+  for (const auto* run : {&runs.main, &runs.other}) {
+    const bool is_main = run == &runs.main;
+    if (!shards(is_main ? main : other)) continue;
+    for (const auto& [prefix, replicated] : expected) {
+      check_placement(report, is_main ? runs.main_label : runs.other_label, *run, prefix,
+                      replicated);
+    }
+  }
+}
+
 // Both meshes against the single-card reference and against DDP, the DDP
 // baseline itself against the reference, and the rerun bitwise.
 inline void check_against_baselines(l1::Report& report, const Runs& r, double tol,
