@@ -128,9 +128,16 @@ expect("**Gate: PASS**")
 expect("| FSDP 1-D, fp32 | 1e-5 | 1e-5 | L1-03, L2-01, L3-02, L3-04, L3-05 | L1-03, L2-01, L3-02, L3-04, L3-05 | 10 |")
 expect("| PP + FSDP, fp32 | 1e-5 | 1e-5 | L2-09 | L2-09 | 2 | 2.500e-6 | 4x | pass | - | - |")
 expect_not("| not run (")
+expect("Devices: cpu. (CUDA entries run with TF32 off for cuBLAS matmuls and cuDNN convolutions.)")
 if(NOT out MATCHES "precision gate: pass")
   string(APPEND failures "\n  pass: stdout does not say the gate passed: ${out}")
 endif()
+
+# A CUDA record: the header says the CUDA entries ran with TF32 off.
+gate_dir(cuda ADD cuda_gpu2.jsonl)
+render(cuda "${WORK}/raw/cuda")
+expect_rc(0)
+expect("Devices: cpu, cuda:0. CUDA entries ran with TF32 off (cuBLAS matmuls and cuDNN convolutions)")
 
 # A plan case without a grad-norm metric: the row is incomplete, exit 3.
 gate_dir(missing-grad-norm DROP "\"case_id\":\"L2-09[^\"]*\".*grad norm")

@@ -490,7 +490,25 @@ Rendered render(const Input& in, const std::string& raw_dir) {
      << exact.size() << " exact, " << expected.size() << " expected-failure records; "
      << failing << " failing; " << in.skipped.size() << " skipped test cases; "
      << in.stale.size() << " stale records rejected.\n\n";
+  // CUDA records are compared with CPU references at fp32 tolerances: the
+  // harness turns TF32 off for them (mpi_tests/common/spmd.cpp).
+  std::set<std::string> devices;
+  for (const auto& r : in.records) devices.insert(r.device);
+  const bool cuda = std::any_of(devices.begin(), devices.end(), [](const std::string& d) {
+    return d.rfind("cuda", 0) == 0;
+  });
+  md << "Devices: ";
+  for (auto it = devices.begin(); it != devices.end(); ++it) {
+    md << (it == devices.begin() ? "" : ", ") << (it->empty() ? "unknown" : *it);
+  }
+  md << (cuda ? ". CUDA entries ran with TF32 off (cuBLAS matmuls and cuDNN convolutions), "
+                "so their fp32 results meet the CPU references' tolerances by arithmetic, not "
+                "by TF32 luck.\n\n"
+              : ". (CUDA entries run with TF32 off for cuBLAS matmuls and cuDNN "
+                "convolutions.)\n\n");
   js["raw_dir"] = raw_dir;
+  js["devices"] = devices;
+  js["tf32"] = "off for CUDA entries (cuBLAS and cuDNN)";
   js["run"] = in.run;
   js["summary"] = {{"records", in.records.size()},    {"files", in.sources.size()},
                    {"precision", precision.size()},  {"separation", separation.size()},
