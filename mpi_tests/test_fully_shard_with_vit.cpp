@@ -70,9 +70,10 @@ BOOST_AUTO_TEST_CASE(test_multimodal_deepstack_fsdp,  // L3-06
   // has gradients near eps (1e-8) whose ~1e-9 batch-split difference moves
   // the weight by 4.7e-5 in every layout, the DDP baseline's too. Those
   // elements are left to the gradient check (l3::Metrics::adam_eps; the
-  // count is in the metric's name), as the TP suite does.
+  // count is in the metric's name), as the TP suite does. At 2 ranks every
+  // element is compared, as before.
   l3::Metrics m;
-  m.adam_eps = c->config().at("optimizer").at("eps").get<double>();
+  if (spmd::world_size() == 4) m.adam_eps = c->config().at("optimizer").at("eps").get<double>();
   l3::check_against_baselines(report, runs, kTol, m);
   l3::check_placements(report, runs, one_d, two_d,
                        {{"projector.", true}, {"vision.block0.", false}, {"decoder.layer0.", false}});
