@@ -251,6 +251,7 @@ class Safetensors : public Source {
     e.end = v["data_offsets"][1].get<int64_t>();
     int64_t esize = 0;
     e.info.dtype = scalar_type(e.info.dtype_text, esize);
+    if (e.info.dtype) e.info.dtype_text = dtype_str(*e.info.dtype) + " (" + e.info.dtype_text + ")";
     if (e.end < e.begin) bad("has data_offsets with end before begin");
     if (esize > 0 && e.end - e.begin != numel_of(e.info.shape) * esize) {
       bad("has data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
