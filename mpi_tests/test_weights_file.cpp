@@ -16,6 +16,7 @@
 #include <hdf5.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -347,6 +348,44 @@ BOOST_AUTO_TEST_CASE(test_dcp_into_other_layouts) {  // [ours]
     BOOST_TEST(compared > 0);
   }
 }
+
+#ifdef FSDP_CHECKPOINT_TOOL
+// What `fsdp-checkpoint export` writes from a distributed checkpoint (HDF5
+// with groups, safetensors), loaded into 1-D FSDP and (np 4) HSDP.
+BOOST_AUTO_TEST_CASE(test_exported_files) {  // [ours]
+  const std::string dir = scratch("export");
+  dcpt::Built saved = dcpt::build("fsdp");
+  dcpt::train_step(saved, 0);
+  fsdp::dcp::save(dir + "/ckpt", dcpt::state_of(saved));
+  const auto want = dcpt::global_tensors(saved);
+  int rc = 0;
+  if (spmd::rank() == 0) {
+    for (const char* ext : {".h5", ".safetensors"}) {
+      const std::string cmd = std::string(FSDP_CHECKPOINT_TOOL) + " export " + dir +
+                              "/ckpt --only model/ --to " + dir + "/model" + ext + " > " + dir +
+                              "/export" + ext + ".log 2>&1";
+      rc = rc != 0 ? rc : std::system(cmd.c_str());
+    }
+  }
+  BOOST_REQUIRE(raw_mpi::max_over_ranks(rc) == 0);
+  std::vector<std::string> layouts = {"fsdp"};
+  if (spmd::world_size() % 2 == 0) layouts.push_back("hsdp");
+  for (const char* ext : {".h5", ".safetensors"}) {
+    for (const auto& layout : layouts) {
+      dcpt::Built fresh = dcpt::build(layout, /*seed=*/77);
+      fsdp::LoadWeightsOptions o;
+      o.prefix = "model/";
+      const auto r = fsdp::load_weights(dir + "/model" + ext, *fresh.net, o);
+      BOOST_TEST(r.format == (std::string(ext) == ".h5" ? "hdf5" : "safetensors"));
+      BOOST_TEST(r.unexpected.empty(), ext << " " << layout);
+      for (const auto& [name, t] : dcpt::global_tensors(fresh)) {
+        if (name.rfind("model/", 0) != 0) continue;
+        BOOST_TEST(at::equal(t, want.at(name)), ext << " " << layout << ": " << name << " differs");
+      }
+    }
+  }
+}
+#endif
 
 BOOST_AUTO_TEST_CASE(test_missing_tensor) {  // [ours]
   for (const auto& layout : layouts()) {
