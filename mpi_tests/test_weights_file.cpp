@@ -126,15 +126,16 @@ at::Tensor expected_local(const Model& m, const std::string& name) {
   at::Tensor full = formula(k, shape);
   if (m.layout == "plain") return full;
   const int64_t dim = m.layout == "fsdp_dim1" && name == "fc1.weight" ? 1 : 0;
-  const auto [begin, len] = chunk_rows(shape[static_cast<size_t>(dim)], m.shard_count, m.shard_index);
+  const int64_t n = shape[static_cast<size_t>(dim)];
+  const auto [begin, len] = chunk_rows(n, m.shard_count, m.shard_index);
   return full.narrow(dim, begin, len);
 }
 
 // The module's tensors on the CPU (its local shards), by name.
 std::map<std::string, at::Tensor> local_tensors(torch::nn::Module& net) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& p : net.named_parameters()) out[p.key()] = p.value().detach().to(at::kCPU).clone();
-  for (const auto& b : net.named_buffers()) out[b.key()] = b.value().detach().to(at::kCPU).clone();
+  for (const auto& p : net.named_parameters()) out[p.key()] = p.value().detach().cpu().clone();
+  for (const auto& b : net.named_buffers()) out[b.key()] = b.value().detach().cpu().clone();
   return out;
 }
 
@@ -159,7 +160,9 @@ void expect_formula(Model& m, const std::string& what) {
     const at::Tensor got = shards.count(name) ? shards.at(name) : local.at(name);
     BOOST_TEST(got.sizes() == want.sizes(), what << " " << name << ": local " << got.sizes()
                                                  << ", expected " << want.sizes());
-    if (got.sizes() == want.sizes()) BOOST_TEST(at::equal(got, want), what << " " << name << " differs");
+    if (got.sizes() == want.sizes()) {
+      BOOST_TEST(at::equal(got, want), what << " " << name << " differs");
+    }
   }
   const std::vector<std::string> prefix = {"fc1.", "fc2.", ""};
   for (size_t u = 0; u < m.units.size(); ++u) {
@@ -247,14 +250,15 @@ BOOST_AUTO_TEST_CASE(test_safetensors_into_shards) {  // [ours]
     BOOST_TEST(r.unexpected == std::vector<std::string>{"half.weight"}, layout);
     expect_formula(m, "safetensors " + layout);
     const int64_t mine = local_bytes(m);
-    BOOST_TEST(r.bytes_read >= mine, layout << ": read " << r.bytes_read << " < shard bytes " << mine);
+    BOOST_TEST(r.bytes_read >= mine,
+               layout << ": read " << r.bytes_read << " < shard bytes " << mine);
     BOOST_TEST(r.bytes_read <= mine + header,
                layout << ": read " << r.bytes_read << " > shard bytes " << mine << " + header "
                       << header);
     if (layout != "plain" && spmd::world_size() >= 2) {
       BOOST_TEST(r.bytes_read - header < all_bytes,
-                 layout << ": read " << r.bytes_read - header << " data bytes, the whole tensors are "
-                        << all_bytes);
+                 layout << ": read " << r.bytes_read - header
+                        << " data bytes, the whole tensors are " << all_bytes);
     }
   }
 }
@@ -262,7 +266,9 @@ BOOST_AUTO_TEST_CASE(test_safetensors_into_shards) {  // [ours]
 BOOST_AUTO_TEST_CASE(test_float16_tensor_exact) {  // [ours]
   struct Holder : torch::nn::Module {
     at::Tensor weight;
-    explicit Holder(at::ScalarType t) { weight = register_parameter("weight", at::zeros({5, 3}, t)); }
+    explicit Holder(at::ScalarType t) {
+      weight = register_parameter("weight", at::zeros({5, 3}, t));
+    }
   };
   auto ok = std::make_shared<Holder>(at::kHalf);
   fsdp::LoadWeightsOptions o;
@@ -417,13 +423,14 @@ BOOST_AUTO_TEST_CASE(test_shape_mismatch) {  // [ours]
 
 BOOST_AUTO_TEST_CASE(test_truncated_and_corrupt_files) {  // [ours]
   const std::string dir = scratch("broken");
-  const std::string truncated = dir + "/truncated.safetensors", garbage = dir + "/garbage.safetensors";
+  const std::string truncated = dir + "/truncated.safetensors";
+  const std::string garbage = dir + "/garbage.safetensors";
   if (spmd::rank() == 0) {
     std::filesystem::create_directories(dir);
     std::ifstream in(kFixture, std::ios::binary);
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::ofstream(truncated, std::ios::binary).write(bytes.data(),
-                                                     static_cast<std::streamsize>(bytes.size() - 100));
+    const auto kept = static_cast<std::streamsize>(bytes.size() - 100);
+    std::ofstream(truncated, std::ios::binary).write(bytes.data(), kept);
     const std::string text = "{\"fc1.weight\": nonsense";
     std::string g(8, '\0');
     g[0] = static_cast<char>(text.size());

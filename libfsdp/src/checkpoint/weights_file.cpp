@@ -99,7 +99,9 @@ class Safetensors : public Source {
                             "cannot stat " + path_ + ": " + std::strerror(errno));
     }
     size_ = static_cast<int64_t>(st.st_size);
-    if (size_ < 8) corrupt("", "is " + std::to_string(size_) + " bytes, shorter than the header length");
+    if (size_ < 8) {
+      corrupt("", "is " + std::to_string(size_) + " bytes, shorter than the header length");
+    }
     uint8_t len[8];
     pread_all(len, 8, 0, "");
     uint64_t n = 0;
@@ -150,38 +152,35 @@ class Safetensors : public Source {
   // row-major order, so each lands right after the previous one in dst.
   void read(const std::string& name, const Box& box, at::Tensor& dst) override {
     const Entry& e = entries_.at(name);
-    const auto& shape = e.info.shape;
+    const std::vector<int64_t>& shape = e.info.shape;
+    const std::vector<int64_t>&offsets = box.offsets, &sizes = box.sizes;
     const int64_t esize = static_cast<int64_t>(dst.element_size());
-    const int64_t ndim = static_cast<int64_t>(shape.size());
     auto* out = static_cast<char*>(dst.data_ptr());
-    if (ndim == 0) {
+    if (shape.empty()) {
       pread_all(out, static_cast<size_t>(esize), data_start_ + e.begin, name);
       bytes_read_ += esize;
       return;
     }
-    if (numel_of(box.sizes) == 0) return;
-    std::vector<int64_t> stride(static_cast<size_t>(ndim), 1);
-    for (int64_t d = ndim - 2; d >= 0; --d) {
-      stride[static_cast<size_t>(d)] = stride[static_cast<size_t>(d + 1)] * shape[static_cast<size_t>(d + 1)];
-    }
-    int64_t k = ndim - 1;  // the last dimension the box does not span whole
-    while (k > 0 && box.sizes[static_cast<size_t>(k)] == shape[static_cast<size_t>(k)]) --k;
-    const int64_t run = box.sizes[static_cast<size_t>(k)] * stride[static_cast<size_t>(k)] * esize;
-    std::vector<int64_t> idx(box.offsets.begin(), box.offsets.begin() + k);  // outer index
+    if (numel_of(sizes) == 0) return;
+    std::vector<int64_t> stride(shape.size(), 1);  // in elements
+    for (size_t d = shape.size() - 1; d-- > 0;) stride[d] = stride[d + 1] * shape[d + 1];
+    size_t k = shape.size() - 1;  // the last dimension the box does not span whole
+    while (k > 0 && sizes[k] == shape[k]) --k;
+    const int64_t run = sizes[k] * stride[k] * esize;
+    std::vector<int64_t> idx(offsets.begin(), offsets.begin() + static_cast<std::ptrdiff_t>(k));
     for (int64_t written = 0;;) {
-      int64_t element = box.offsets[static_cast<size_t>(k)] * stride[static_cast<size_t>(k)];
-      for (int64_t d = 0; d < k; ++d) element += idx[static_cast<size_t>(d)] * stride[static_cast<size_t>(d)];
+      int64_t element = offsets[k] * stride[k];
+      for (size_t d = 0; d < k; ++d) element += idx[d] * stride[d];
       pread_all(out + written, static_cast<size_t>(run), data_start_ + e.begin + element * esize,
                 name);
       written += run;
       bytes_read_ += run;
-      int64_t d = k - 1;  // next outer index, last dimension fastest
-      for (; d >= 0; --d) {
-        const auto u = static_cast<size_t>(d);
-        if (++idx[u] < box.offsets[u] + box.sizes[u]) break;
-        idx[u] = box.offsets[u];
+      size_t d = k;  // the next outer index, the last dimension fastest
+      while (d > 0 && ++idx[d - 1] == offsets[d - 1] + sizes[d - 1]) {
+        idx[d - 1] = offsets[d - 1];
+        --d;
       }
-      if (d < 0) break;
+      if (d == 0) break;
     }
   }
 
@@ -233,7 +232,9 @@ class Safetensors : public Source {
 
   void parse_entry(const std::string& name, const nlohmann::json& v) {
     Entry e;
-    const auto bad = [&](const std::string& what) { corrupt(name, "has a header entry that " + what); };
+    const auto bad = [&](const std::string& what) {
+      corrupt(name, "has a header entry that " + what);
+    };
     if (!v.is_object() || !v.contains("dtype") || !v["dtype"].is_string() ||
         !v.contains("shape") || !v["shape"].is_array() || !v.contains("data_offsets") ||
         !v["data_offsets"].is_array() || v["data_offsets"].size() != 2) {
@@ -277,7 +278,9 @@ using dcp::detail::Handle;
 herr_t collect_dataset(hid_t group, const char* name, const H5L_info_t* /*info*/, void* data) {
   const hid_t obj = H5Oopen(group, name, H5P_DEFAULT);
   if (obj < 0) return 0;  // a dangling link: not a tensor
-  if (H5Iget_type(obj) == H5I_DATASET) static_cast<std::vector<std::string>*>(data)->push_back(name);
+  if (H5Iget_type(obj) == H5I_DATASET) {
+    static_cast<std::vector<std::string>*>(data)->push_back(name);
+  }
   H5Oclose(obj);
   return 0;
 }
@@ -299,9 +302,11 @@ class Hdf5 : public Source {
   std::optional<FileTensor> find(const std::string& name) override {
     // Each group on the way must exist before H5Lexists may be asked about
     // the next component.
-    for (size_t slash = name.find('/'); ; slash = name.find('/', slash + 1)) {
+    for (size_t slash = name.find('/');; slash = name.find('/', slash + 1)) {
       const std::string part = name.substr(0, slash);
-      if (part.empty() || H5Lexists(file_.get(), part.c_str(), H5P_DEFAULT) <= 0) return std::nullopt;
+      if (part.empty() || H5Lexists(file_.get(), part.c_str(), H5P_DEFAULT) <= 0) {
+        return std::nullopt;
+      }
       if (slash == std::string::npos) break;
     }
     Handle ds(H5Dopen2(file_.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
@@ -354,7 +359,9 @@ class Hdf5 : public Source {
                       H5Sclose);
     }
     Handle type = dcp::detail::h5_type(dst.scalar_type());
-    if (H5Dread(ds.get(), type.get(), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data_ptr()) < 0) {
+    const herr_t rc =
+        H5Dread(ds.get(), type.get(), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data_ptr());
+    if (rc < 0) {
       fail(name, "reading " + dcp::detail::box_str(box) + " of dataset " + name + " failed (" +
                      dcp::detail::hdf5_error() + ")");
     }
