@@ -357,7 +357,9 @@ BOOST_AUTO_TEST_CASE(test_dcp_into_other_layouts) {  // [ours]
 
 #ifdef FSDP_CHECKPOINT_TOOL
 // What `fsdp-checkpoint export` writes from a distributed checkpoint (HDF5
-// with groups, safetensors), loaded into 1-D FSDP and (np 4) HSDP.
+// with groups, safetensors), loaded into every layout of dcp_util.h: FSDP on
+// dim 0 and 1, HSDP, TP + FSDP (StridedShard), pipeline stages, EP experts
+// (3-D, Shard(0)), plain.
 BOOST_AUTO_TEST_CASE(test_exported_files) {  // [ours]
   const std::string dir = scratch("export");
   dcpt::Built saved = dcpt::build("fsdp");
@@ -374,16 +376,14 @@ BOOST_AUTO_TEST_CASE(test_exported_files) {  // [ours]
     }
   }
   BOOST_REQUIRE(raw_mpi::max_over_ranks(rc) == 0);
-  std::vector<std::string> layouts = {"fsdp"};
-  if (spmd::world_size() % 2 == 0) layouts.push_back("hsdp");
   for (const char* ext : {".h5", ".safetensors"}) {
-    for (const auto& layout : layouts) {
+    for (const auto& layout : dcpt::layouts_for(spmd::world_size())) {
       dcpt::Built fresh = dcpt::build(layout, /*seed=*/77);
       fsdp::LoadWeightsOptions o;
       o.prefix = "model/";
       const auto r = fsdp::load_weights(dir + "/model" + ext, *fresh.net, o);
       BOOST_TEST(r.format == (std::string(ext) == ".h5" ? "hdf5" : "safetensors"));
-      BOOST_TEST(r.unexpected.empty(), ext << " " << layout);
+      if (layout != "pp2") BOOST_TEST(r.unexpected.empty(), ext << " " << layout);
       for (const auto& [name, t] : dcpt::global_tensors(fresh)) {
         if (name.rfind("model/", 0) != 0) continue;
         BOOST_TEST(at::equal(t, want.at(name)), ext << " " << layout << ": " << name << " differs");
