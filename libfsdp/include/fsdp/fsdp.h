@@ -16,3 +16,4 @@
 #include "fsdp/pipeline.h"
 #include "fsdp/tensor_parallel.h"
 #include "fsdp/trace.h"
+#include "fsdp/weights_file.h"
