@@ -250,6 +250,10 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                  "start from pretrained weights: a .safetensors or full-tensor .h5 file "
                  "(fsdp-checkpoint export writes both) or a distributed checkpoint; each rank "
                  "reads only its shards' rows");
+  app.add_option("--load-prefix", cfg.load_prefix,
+                 "with --load: the file names parameter P as <prefix>P (fsdp-train's checkpoints "
+                 "and their exports: model/; '' for a file of bare names)")
+      ->capture_default_str();
   app.add_option("--device", cfg.device,
                  "where parameters, activations and batches live: auto (cuda:<local rank> when "
                  "LibTorch sees a GPU, else cpu), cpu, or cuda (an error without a GPU)")

@@ -35,6 +35,7 @@ struct TrainConfig {
   // and --moe need). auto: deferred where it applies. Resolved by resolve().
   std::string init = "auto";
   std::string load;  // --load: pretrained weights (fsdp::load_weights)
+  std::string load_prefix = "model/";  // --load-prefix: the file's names = prefix + parameter name
 
   std::string mesh;  // data-parallel part: "" = the world / (tp pp); "N" or "RxS"
   int64_t tp = 1;    // tensor-parallel size: the mesh is (mesh..., tp)

@@ -82,14 +82,15 @@ void print_verify_header(const TrainConfig& cfg) {
 
 // The single-process run of the same steps, with a progress line every
 // tenth of them (at least every --log-every).
-Reference run_single(const TrainConfig& cfg, const Corpus& corpus) {
+Reference run_single(const TrainConfig& cfg, const Corpus& corpus,
+                     const std::vector<std::pair<std::string, at::Tensor>>* initial) {
   return run_reference(cfg, corpus, [&](const LossRow& r) {
     const int64_t every = std::max<int64_t>(cfg.log_every, (cfg.steps + 9) / 10);
     if (r.step % every == 0 || r.step == cfg.steps) {
       std::cout << fmt::format("verify step {}/{}  loss {:.4f}", r.step, cfg.steps, r.loss)
                 << std::endl;
     }
-  });
+  }, initial);
 }
 
 // The losses of the sharded run against the single one; prints the outcome
@@ -178,7 +179,7 @@ int verify_on_lead(const TrainingRun& run, const std::vector<LossRow>& rows,
     status = check_tied_copy(params_now) ? status : kVerifyFailed;
   }
   const auto t0 = Clock::now();
-  const Reference single = run_single(cfg, run.corpus);
+  const Reference single = run_single(cfg, run.corpus, run.initial_weights);
   LossLog::write_all(cfg.out + "/loss_single.csv", single.rows);
   curves.push_back({cfg.out + "/loss_single.csv", "single process, unsharded (--verify)"});
   const bool ok = check_losses(cfg, rows, single, t0);

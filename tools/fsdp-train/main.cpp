@@ -36,6 +36,7 @@
 
 #include <fsdp/mesh.h>
 #include <fsdp/runtime.h>
+#include <fsdp/weights_file.h>
 
 #include <ATen/Parallel.h>
 #include <torch/version.h>
@@ -114,6 +115,31 @@ ShardedDecoder build_sharded(const TrainConfig& cfg, const c10::Device& device,
   plain->to(device);
   n_params = parameter_count(*plain);
   return cfg.pipelined() ? shard_pipeline(plain, cfg, mesh) : shard_decoder(plain, cfg, mesh);
+}
+
+// --load: the file's weights into the shards (each rank reads its rows).
+// With --verify, returns them whole (on every rank: a gather over the mesh)
+// for the single-process reference to start from.
+std::vector<std::pair<std::string, at::Tensor>> load_pretrained(const TrainConfig& cfg,
+                                                                ShardedDecoder& sharded,
+                                                                bool lead) {
+  fsdp::LoadWeightsOptions options;
+  options.prefix = cfg.load_prefix;
+  const fsdp::LoadWeightsReport r = fsdp::load_weights(cfg.load, *sharded.net, options);
+  if (lead) {
+    std::cout << fmt::format(
+                     "fsdp-train: loaded {} tensors from {} ({}; rank 0 read {:.1f} MiB in "
+                     "{:.2f} s{})",
+                     r.tensors_loaded, cfg.load, r.format, r.bytes_read / 1048576.0, r.seconds,
+                     r.unexpected.empty()
+                         ? std::string()
+                         : fmt::format("; {} tensors of the file unused", r.unexpected.size()))
+              << std::endl;
+  }
+  if (!cfg.verify) return {};
+  std::vector<std::pair<std::string, at::Tensor>> whole = full_state(sharded);
+  for (auto& [name, t] : whole) t = t.to(at::kCPU);
+  return whole;
 }
 
 // Rank 0's opening lines: the configuration (and the pipeline's layout,
@@ -198,10 +224,13 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   int64_t n_params = 0;
   ShardedDecoder sharded = build_sharded(cfg, device, mesh, n_params);
   fsdp::FSDPModule root = sharded.units.back().second;
+  std::vector<std::pair<std::string, at::Tensor>> loaded;
+  if (!cfg.load.empty()) loaded = load_pretrained(cfg, sharded, lead);
   auto opt = make_optimizer(*sharded.net, cfg);
   const std::vector<at::Tensor> params = sharded.net->parameters();
-  const TrainingRun run{cfg,  corpus, numerics, device,  world_comm, sharded,
-                        root, params, opt,      dp_rank, n_params,   lead};
+  TrainingRun run{cfg,  corpus, numerics, device,  world_comm, sharded,
+                  root, params, opt,      dp_rank, n_params,   lead};
+  if (!loaded.empty()) run.initial_weights = &loaded;
 
   Resumed resumed;
   if (cfg.resume) resumed = resume(run);

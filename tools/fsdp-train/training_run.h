@@ -44,6 +44,9 @@ struct TrainingRun {
   int64_t dp_rank = 0;   // this rank's data-parallel coordinate
   int64_t n_params = 0;  // of the whole (unsharded) model
   bool lead = false;     // rank 0: prints, logs, plots
+  // With --load and --verify: the loaded weights, whole (on rank 0), which
+  // the single-process reference starts from instead of the seeded init.
+  const std::vector<std::pair<std::string, at::Tensor>>* initial_weights = nullptr;
 };
 
 }  // namespace fsdp_train

@@ -101,11 +101,18 @@ Reference run_steps(Net master, const Config& config, const TrainConfig& cfg,
 }  // namespace
 
 Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
-                        const std::function<void(const LossRow&)>& on_step) {
+                        const std::function<void(const LossRow&)>& on_step,
+                        const std::vector<std::pair<std::string, at::Tensor>>* initial) {
   if (cfg.moe) {
     return run_steps(build_moe_decoder(cfg), moe_decoder_config(cfg), cfg, corpus, on_step);
   }
-  return run_steps(build_decoder(cfg), decoder_config(cfg), cfg, corpus, on_step);
+  models::Decoder net = build_decoder(cfg);
+  if (initial != nullptr) {
+    torch::NoGradGuard no_grad;
+    auto named = net->named_parameters();
+    for (const auto& [name, value] : *initial) named[name].copy_(value);
+  }
+  return run_steps(net, decoder_config(cfg), cfg, corpus, on_step);
 }
 
 Comparison compare_losses(const std::vector<LossRow>& sharded, const std::vector<LossRow>& single) {

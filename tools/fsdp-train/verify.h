@@ -73,8 +73,10 @@ struct Reference {
 // Runs steps 1..cfg.steps; calls on_step after each. With --tp the
 // reference is still the plain decoder: TP changes how the step is
 // computed, not what it computes.
+// `initial`: start from these weights (by name) instead of the job's init.
 Reference run_reference(const TrainConfig& cfg, const Corpus& corpus,
-                        const std::function<void(const LossRow&)>& on_step);
+                        const std::function<void(const LossRow&)>& on_step,
+                        const std::vector<std::pair<std::string, at::Tensor>>* initial = nullptr);
 
 struct Comparison {
   double max_abs_diff = 0;
