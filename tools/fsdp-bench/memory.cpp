@@ -60,6 +60,7 @@ struct Options {
   std::vector<std::string> dtypes{"fp32", "bf16"};
   int steps = 2;
   double check = 0;  // 0: report only
+  bool report = false;  // print fsdp::memory_report after the steps (rank 0)
 };
 
 std::vector<int64_t> shape_of(const at::Tensor& t) { return t.sizes().vec(); }
@@ -71,7 +72,7 @@ struct Row {
   int64_t params = 0;
 };
 
-Row run_one(const Preset& p, bool bf16, int steps, const fsdp::Runtime& rt) {
+Row run_one(const Preset& p, bool bf16, int steps, bool report, const fsdp::Runtime& rt) {
   const int64_t base = fsdp::tracked_live_bytes();
   Row row;
   {
@@ -130,8 +131,11 @@ Row run_one(const Preset& p, bool bf16, int steps, const fsdp::Runtime& rt) {
     }
     row.persistent = fsdp::tracked_live_bytes() - base;
     row.peak = fsdp::tracked_peak_bytes() - base;
+    if (report && rt.world_rank() == 0) {
+      std::cout << fsdp::to_string(fsdp::memory_report(*net, &opt)) << std::flush;
+    }
   }
-  const auto worst = max_over_ranks(MPI_COMM_WORLD, {row.persistent, row.peak});
+  const auto worst = max_over_ranks(MPI_COMM_WORLD, std::vector<int64_t>{row.persistent, row.peak});
   row.persistent = worst[0];
   row.peak = worst[1];
   return row;
@@ -154,7 +158,7 @@ int run(const Options& o, const fsdp::Runtime& rt) {
   for (const auto& name : o.presets) {
     const Preset p = preset(name);
     for (const auto& dtype : o.dtypes) {
-      const Row r = run_one(p, dtype == "bf16", o.steps, rt);
+      const Row r = run_one(p, dtype == "bf16", o.steps, o.report, rt);
       const double pers_ratio = static_cast<double>(r.estimate.persistent_bytes) /
                                 static_cast<double>(std::max<int64_t>(r.persistent, 1));
       const double peak_ratio = static_cast<double>(r.estimate.peak_bytes) /
@@ -203,6 +207,7 @@ void add_memory_command(CLI::App& app, Command& chosen) {
   sub->add_option("--check", o->check,
                   "Exit 1 unless every estimate is within this fraction of the measurement")
       ->check(CLI::Range(0.0, 1.0));
+  sub->add_flag("--report", o->report, "Print fsdp::memory_report after the steps (rank 0)");
   sub->callback([o, &chosen] { chosen = [o](const fsdp::Runtime& rt) { return run(*o, rt); }; });
 }
 
