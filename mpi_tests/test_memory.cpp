@@ -145,13 +145,13 @@ BOOST_AUTO_TEST_CASE(test_budget_fails_like_an_oom) {
 // (docs/memory.md#estimator):
 //   root [8], kept unsharded, activations 1000: chunk 2 -> shard 8 B,
 //     gathered 2*4*4 = 32, full grad 32, reduce (4+1)*(2+1)*4 = 60, grad 8, AdamW 16
-//   layer [10, 3], activations 500: chunk 3 -> block 9: shard 36, gathered
-//     144, full grad 120, reduce 5*10*4 = 200, grad 36, AdamW 72
+//   layer [10, 3], activations 500, backward workspace 50: chunk 3 -> block 9:
+//     shard 36, gathered 144, full grad 120, reduce 5*10*4 = 200, grad 36, AdamW 72
 //   persistent 8+36 + 8+36 + 16+72 = 176
 //   forward: max(1000+32+144, 1500+32+144, end 1500+32+extra 100) = 1676
-//   backward: layer: 1000 + max(500+100, 120+200) + 32 + 144 = 1776;
-//             root: 0 + max(1000, 92) + 200 in flight + 32 = 1232 -> 1776
-//   peak 176 + 1776 = 1952, in backward
+//   backward: layer: 1000 + max(500+50, 120+200) + 32 + 144 = 1726;
+//             root: 0 + max(1000, 32+60) + 200 in flight + 32 = 1232 -> 1726
+//   peak 176 + 1726 = 1902, in backward
 BOOST_AUTO_TEST_CASE(test_estimate_hand_computed) {
   fsdp::UnitSpec root;
   root.name = "root";
@@ -162,6 +162,7 @@ BOOST_AUTO_TEST_CASE(test_estimate_hand_computed) {
   layer.name = "layer";
   layer.param_shapes = {{10, 3}};
   layer.activation_bytes = 500;
+  layer.backward_workspace_bytes = 50;
   fsdp::EstimateLayout l;
   l.shard_size = 4;
   l.extra_bytes = 100;
@@ -171,8 +172,8 @@ BOOST_AUTO_TEST_CASE(test_estimate_hand_computed) {
   BOOST_TEST(e.optimizer_bytes == 88);
   BOOST_TEST(e.persistent_bytes == 176);
   BOOST_TEST(e.forward_peak_bytes == 1676);
-  BOOST_TEST(e.backward_peak_bytes == 1776);
-  BOOST_TEST(e.peak_bytes == 1952);
+  BOOST_TEST(e.backward_peak_bytes == 1726);
+  BOOST_TEST(e.peak_bytes == 1902);
   BOOST_TEST(e.peak_phase == "backward");
   // bf16 compute, fp32 reduce, SGD with momentum, one rank: the gathered
   // copy is a bf16 cast (30*2 = 60 B for the layer), grads stay fp32.
@@ -184,10 +185,11 @@ BOOST_AUTO_TEST_CASE(test_estimate_hand_computed) {
   BOOST_TEST(b.shard_bytes == 120);
   BOOST_TEST(b.grad_bytes == 120);
   BOOST_TEST(b.optimizer_bytes == 120);
-  // forward: 500 + 60 (gathered) vs end 500 + 100; backward: max(600, full
-  // grads 30*2 + 30*4 = 180, no reduce buffers at one rank) + 60 = 660.
+  // forward: 500 + 60 (gathered) vs end 500 + 100; backward: max(500+50,
+  // full grads 30*2 + 30*4 = 180, no reduce buffers at one rank) + 60 = 610.
   BOOST_TEST(b.forward_peak_bytes == 600);
-  BOOST_TEST(b.backward_peak_bytes == 660);
+  BOOST_TEST(b.backward_peak_bytes == 610);
+  BOOST_TEST(b.peak_phase == "backward");
 }
 
 BOOST_AUTO_TEST_CASE(test_estimate_argument_errors) {
@@ -212,6 +214,9 @@ BOOST_AUTO_TEST_CASE(test_estimate_argument_errors) {
   u.activation_bytes = -5;
   BOOST_TEST(argument_of([&] { fsdp::estimate_memory({u}, l); }) == "units");
   u.activation_bytes = 0;
+  u.backward_workspace_bytes = -1;
+  BOOST_TEST(argument_of([&] { fsdp::estimate_memory({u}, l); }) == "units");
+  u.backward_workspace_bytes = 0;
   u.param_shapes = {{-1, 3}};
   BOOST_TEST(argument_of([&] { fsdp::estimate_memory({u}, l); }) == "units");
 }

@@ -100,6 +100,7 @@ DecoderActivationBytes decoder_activation_bytes(const DecoderConfig& config, int
                              batch_per_rank * config.heads * seq * seq * e + seq * seq + 2 * t * e;
   b.layer = activation_checkpointing ? t * h * e : full_layer;
   b.layer_recompute = activation_checkpointing ? full_layer : 0;
+  b.layer_backward = 4 * t * f * e + 2 * t * h * e;
   b.root = 3 * t * h * e + t * e;
   b.loss = 3 * t * config.vocab * e;
   return b;

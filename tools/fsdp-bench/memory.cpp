@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
 #include <cmath>
@@ -73,6 +74,14 @@ struct Row {
 };
 
 Row run_one(const Preset& p, bool bf16, int steps, bool report, const fsdp::Runtime& rt) {
+  {
+    // The units of an earlier configuration's model hold their shards and
+    // gradients until the next fully_shard call prunes dead units
+    // (sharding/registry.cpp): make that happen before the baseline, or it
+    // would count memory freed during this configuration.
+    torch::nn::Linear prune(1, 1);
+    fsdp::fully_shard(prune.ptr());
+  }
   const int64_t base = fsdp::tracked_live_bytes();
   Row row;
   {
@@ -94,6 +103,7 @@ Row run_one(const Preset& p, bool bf16, int steps, bool report, const fsdp::Runt
         in_layers.insert(t.unsafeGetTensorImpl());
       }
       u.activation_bytes = acts.layer;
+      u.backward_workspace_bytes = acts.layer_backward;
       units.push_back(u);
     }
     for (const auto& t : net->parameters()) {

@@ -108,6 +108,10 @@ struct UnitSpec {
   // the estimator cannot know a model's forward, see
   // models::decoder_activation_bytes for models::Decoder).
   int64_t activation_bytes = 0;
+  // The most bytes of gradient temporaries its backward holds at once on top
+  // of the saved activations (gradients of its activations, in flight between
+  // autograd nodes); models::decoder_activation_bytes states it too.
+  int64_t backward_workspace_bytes = 0;
   // The root keeps its parameters after forward (FSDP2 does not reshard the
   // root: its backward starts at once); other units reshard by default.
   bool reshard_after_forward = true;

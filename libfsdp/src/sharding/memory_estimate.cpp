@@ -23,6 +23,7 @@ struct UnitBytes {
   int64_t grad = 0;       // sharded gradients (reduce dtype; fp32 main grads instead if set)
   int64_t optimizer = 0;
   int64_t activations = 0;
+  int64_t workspace = 0;  // backward's gradient temporaries (the caller's)
   bool keeps_unsharded = false;  // reshard_after_forward = false
 };
 
@@ -33,6 +34,7 @@ UnitBytes unit_bytes(const UnitSpec& u, const EstimateLayout& l) {
   const c10::ScalarType reduce = l.mp_reduce_dtype.value_or(param);
   UnitBytes b;
   b.activations = u.activation_bytes;
+  b.workspace = u.backward_workspace_bytes;
   b.keeps_unsharded = !u.reshard_after_forward;
   int64_t block_total = 0, full_total = 0, flags = 0;
   for (const auto& shape : u.param_shapes) {
@@ -82,9 +84,13 @@ MemoryEstimate estimate_memory(const std::vector<UnitSpec>& units, const Estimat
   }
   std::vector<UnitBytes> b;
   for (const auto& u : units) {
-    if (u.activation_bytes < 0) {
-      throw ArgumentError("units", "estimate_memory: unit '" + u.name + "' has activation_bytes = " +
-                                       std::to_string(u.activation_bytes) + "; accepted: >= 0");
+    if (u.activation_bytes < 0 || u.backward_workspace_bytes < 0) {
+      throw ArgumentError("units", "estimate_memory: unit '" + u.name +
+                                       "' has activation_bytes = " +
+                                       std::to_string(u.activation_bytes) +
+                                       ", backward_workspace_bytes = " +
+                                       std::to_string(u.backward_workspace_bytes) +
+                                       "; accepted: both >= 0");
     }
     b.push_back(unit_bytes(u, layout));
   }
@@ -118,17 +124,18 @@ MemoryEstimate estimate_memory(const std::vector<UnitSpec>& units, const Estimat
     fwd = std::max(fwd, acts + kept + gathered_window(i, +1));
   }
   fwd = std::max(fwd, acts + kept + layout.extra_bytes);
-  // Backward, in reverse: the activations of the units before i, unit i's
-  // own or (as they are freed) its full gradients and reduction buffers, the
-  // previous unit's reduction still in flight, unit i and its prefetch, the
-  // kept units. The caller's extra (the loss's gradient) at its start.
+  // Backward, in reverse: the activations of the units before i; unit i's
+  // own activations with its backward's gradient temporaries, or (once they
+  // are freed) its full gradients and reduction buffers; the next unit's
+  // reduction still in flight; unit i and its prefetch; the kept units.
+  // (Its start -- all activations and the loss's gradient -- is the
+  // forward's end above.)
   int64_t bwd = 0, below = acts;
   for (int64_t i = n - 1; i >= 0; --i) {
     const auto& x = b[static_cast<size_t>(i)];
     below -= x.activations;
     const int64_t in_flight = i + 1 < n ? b[static_cast<size_t>(i + 1)].reduce : 0;
-    const int64_t own = std::max(x.activations + (i == n - 1 ? layout.extra_bytes : 0),
-                                 x.full_grad + x.reduce);
+    const int64_t own = std::max(x.activations + x.workspace, x.full_grad + x.reduce);
     bwd = std::max(bwd, below + own + in_flight + kept + gathered_window(i, -1));
   }
   e.forward_peak_bytes = fwd;

@@ -96,9 +96,15 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
 //   root: the embedding output T H e + the final RMSNorm 2 T H e + T e.
 //   loss: lm_loss over the full logits: logits, log-softmax and, at the start
 //   of backward, its gradient: 3 T vocab e.
+//   layer_backward: a layer's backward begins with its SwiGLU, where the
+//   gradients of the four [T, F] tensors (the product, silu's and w3's
+//   outputs, w1's output) and of the layer's output and residual are alive
+//   before the saved tensors they replace are released: 4 T F e + 2 T H e
+//   (checked against the tracking allocator by fsdp-bench memory).
 struct DecoderActivationBytes {
   int64_t layer = 0;
   int64_t layer_recompute = 0;  // transient, in backward, with activation checkpointing
+  int64_t layer_backward = 0;   // a layer's backward workspace (UnitSpec::backward_workspace_bytes)
   int64_t root = 0;
   int64_t loss = 0;
 };
