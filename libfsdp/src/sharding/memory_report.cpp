@@ -136,7 +136,9 @@ CudaMemoryStats cuda_stats(const std::vector<std::shared_ptr<UnitState>>& units)
   if (device < 0) return s;
   namespace alloc = c10::cuda::CUDACachingAllocator;
   const auto stats = alloc::getDeviceStats(device);
-  const auto agg = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+  // StatType::AGGREGATE (all pools): index 0 in every LibTorch; the enum
+  // itself moved namespaces in 2.x (c10::CachingAllocator).
+  constexpr size_t agg = 0;
   s.available = true;
   s.device = device;
   s.allocated_bytes = stats.allocated_bytes[agg].current;
