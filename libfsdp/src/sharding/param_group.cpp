@@ -230,7 +230,12 @@ void ParamGroup::finish_unshard() {
   }
   post_forward_pieces_.clear();
   // Replicate placements copy their shard into a compute-dtype buffer here.
-  oom_guard("unshard", 0, [&] {
+  int64_t replicated = 0;
+  for (const auto& p : params_) {
+    if (p.is_sharded_placement() || p.full_is_shard()) continue;
+    replicated += p.padded_block_numel() * static_cast<int64_t>(c10::elementSize(p.compute_dtype()));
+  }
+  oom_guard("unshard", replicated, [&] {
     for (auto& p : params_) p.to_unsharded();
   });
   unsharded_ = true;
