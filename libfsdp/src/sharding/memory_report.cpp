@@ -44,7 +44,9 @@ namespace {
 class StorageCounter {
  public:
   int64_t bytes(const at::Tensor& t) {
-    if (!t.defined() || !t.has_storage()) return 0;
+    // A meta tensor (fsdp::MetaInit's shards before materialize()) has a
+    // storage size but no memory.
+    if (!t.defined() || !t.has_storage() || t.is_meta()) return 0;
     const void* impl = t.storage().unsafeGetStorageImpl();
     if (!seen_.insert(impl).second) return 0;
     return static_cast<int64_t>(t.storage().nbytes());
