@@ -32,6 +32,26 @@ void init_weights(torch::nn::Module& module, uint64_t seed) {
   }
 }
 
+fsdp::InitFn seeded_init_rule(uint64_t seed) {
+  return [seed](const fsdp::TensorPiece& t) {
+    if (ends_with(t.name, "bias")) {
+      t.local.zero_();
+    } else if (t.global_shape.size() == 1) {
+      t.local.fill_(1.0);
+    } else {
+      fsdp::seeded_normal_(t, seed, 0.0, 0.02);
+    }
+  };
+}
+
+void init_weights_seeded(torch::nn::Module& module, uint64_t seed) {
+  const fsdp::InitFn rule = seeded_init_rule(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters(/*recurse=*/true)) {
+    rule(fsdp::piece_of(item.key(), item.value()));
+  }
+}
+
 at::Tensor random_tokens(uint64_t seed, int64_t batch, int64_t seq, int64_t vocab) {
   at::Generator gen = at::detail::createCPUGenerator(seed);
   return at::randint(0, vocab, {batch, seq}, gen, at::TensorOptions().dtype(at::kLong));

@@ -229,10 +229,27 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--ep", cfg.ep,
                  "with --moe: expert-parallel size, dividing the world and --experts; ep rank r "
                  "owns experts [r E/ep, (r+1) E/ep) [default: 1, every rank every expert]");
+  app.add_option("--model", cfg.model,
+                 "plan: the plan's byte decoder (hidden 256, 4 heads, 4 layers: 3.3M "
+                 "parameters); large: hidden 1024, 16 heads, 16 layers (202M parameters, 808 MB "
+                 "in fp32)")
+      ->check(CLI::IsMember({"plan", "large"}))
+      ->capture_default_str();
   app.add_option("--layers", cfg.layers,
                  "decoder layers (with --pp they must divide by the number of stages; with "
-                 "--moe at least 2)")
+                 "--moe at least 2) [default: 4, or --model's]")
+      ->each([&cfg](const std::string&) { cfg.layers_given = true; });
+  app.add_option("--init", cfg.init,
+                 "deferred: build the model on the meta device, shard it, then allocate and "
+                 "initialise only this rank's shards (peak: the shards, not the model); full: "
+                 "build and initialise the whole model on every rank, then shard it (--tp, --pp "
+                 "and --moe need it); auto: deferred where it applies")
+      ->check(CLI::IsMember({"auto", "deferred", "full"}))
       ->capture_default_str();
+  app.add_option("--load", cfg.load,
+                 "start from pretrained weights: a .safetensors or full-tensor .h5 file "
+                 "(fsdp-checkpoint export writes both) or a distributed checkpoint; each rank "
+                 "reads only its shards' rows");
   app.add_option("--device", cfg.device,
                  "where parameters, activations and batches live: auto (cuda:<local rank> when "
                  "LibTorch sees a GPU, else cpu), cpu, or cuda (an error without a GPU)")
@@ -332,6 +349,36 @@ fsdp::ReshardAfterForward reshard_after_forward_option(const TrainConfig& cfg) {
 }
 
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
+  if (cfg.model == "large") {
+    cfg.hidden = 1024;
+    cfg.heads = 16;
+    if (!cfg.layers_given) cfg.layers = 16;
+  }
+  {
+    const bool structured = cfg.tp > 1 || cfg.pp > 1 || cfg.moe;
+    if (cfg.init == "deferred" && structured) {
+      throw ConfigError(fmt::format(
+          "--init deferred: {} builds its model from a whole one (use --init full or auto)",
+          cfg.tp > 1 ? "--tp" : cfg.pp > 1 ? "--pp" : "--moe"));
+    }
+    if (cfg.init == "auto") cfg.init = structured ? "full" : "deferred";
+    if (!cfg.load.empty()) {
+      if (structured) {
+        throw ConfigError(fmt::format(
+            "--load {}: loads into the FSDP/HSDP decoder only, not with {}", cfg.load,
+            cfg.tp > 1 ? "--tp" : cfg.pp > 1 ? "--pp" : "--moe"));
+      }
+      if (cfg.resume) {
+        throw ConfigError(fmt::format(
+            "--load {}: --resume continues from the run's own checkpoint; use one of them",
+            cfg.load));
+      }
+      std::error_code ec;
+      if (!std::filesystem::exists(cfg.load, ec)) {
+        throw ConfigError(fmt::format("--load {}: no such file or directory", cfg.load));
+      }
+    }
+  }
   {
     const std::string& v = cfg.reshard_after_forward;
     const bool count = !v.empty() && v.size() < 9 &&

@@ -21,11 +21,20 @@ struct ConfigError : std::runtime_error {
 };
 
 struct TrainConfig {
-  // Model (fixed by the job; recorded in checkpoints).
+  // Model (fixed by the job; recorded in checkpoints). --model sets hidden,
+  // heads and (unless --layers is given) layers.
+  std::string model = "plan";  // plan (3.3M parameters) | large (~202M)
   int64_t vocab = 256;
   int64_t hidden = 256;
   int64_t heads = 4;
   int64_t layers = 4;
+  bool layers_given = false;
+  // auto | deferred | full. deferred: built on the meta device, sharded, then
+  // only the shards allocated and initialised (fsdp/deferred_init.h); full:
+  // built and initialised whole on every rank, then sharded (what --tp, --pp
+  // and --moe need). auto: deferred where it applies. Resolved by resolve().
+  std::string init = "auto";
+  std::string load;  // --load: pretrained weights (fsdp::load_weights)
 
   std::string mesh;  // data-parallel part: "" = the world / (tp pp); "N" or "RxS"
   int64_t tp = 1;    // tensor-parallel size: the mesh is (mesh..., tp)
@@ -71,6 +80,7 @@ struct TrainConfig {
   int64_t dp_size = 1;  // data-parallel ranks (= world size / (tp pp))
 
   bool bf16() const { return mp == "bf16"; }
+  bool deferred() const { return init == "deferred"; }
   bool hsdp() const { return mesh_shape.size() == 2; }
   bool pipelined() const { return pp > 1; }
   int64_t num_stages() const { return pp * stages_per_rank; }

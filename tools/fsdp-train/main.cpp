@@ -109,6 +109,7 @@ ShardedDecoder build_sharded(const TrainConfig& cfg, const c10::Device& device,
     n_params = parameter_count(*plain);
     return shard_moe_decoder(plain, cfg, mesh);
   }
+  if (cfg.deferred()) return build_deferred_decoder(cfg, mesh, device, n_params);
   models::Decoder plain = build_decoder(cfg);
   plain->to(device);
   n_params = parameter_count(*plain);
@@ -136,13 +137,15 @@ void print_banner(const TrainingRun& run, const fsdp::Runtime& rt, const Resumed
   std::cout << fmt::format(
                    "fsdp-train: {} ranks, mesh {}, device {}, mp {}, reshard-after-forward {}, ac {} | "
                    "model {:.2f}M params (byte {}decoder: vocab {}, hidden {}, heads {}, layers "
-                   "{}{}, ffn {}, tied output) | batch {} x seq {} = {} tokens/step ({} per "
+                   "{}{}, ffn {}, tied output; init {}{}) | batch {} x seq {} = {} tokens/step ({} per "
                    "{}) | "
                    "data {} ({} bytes) | {} steps, AdamW lr {} wd 0, clip {}, seed {} | {} "
                    "thread(s)/rank, LibTorch {}, BLAS {}",
                    world, cfg.mesh_string(), device.str(), cfg.mp, reshard, cfg.ac, n_params / 1e6,
                    cfg.moe ? "MoE " : "", cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, experts,
-                   decoder_config(cfg).ffn_dim(), cfg.batch, cfg.seq, tokens_per_step,
+                   decoder_config(cfg).ffn_dim(), cfg.init,
+                   cfg.load.empty() ? std::string() : fmt::format(", weights from {}", cfg.load),
+                   cfg.batch, cfg.seq, tokens_per_step,
                    cfg.local_batch(),
                    cfg.pipelined() ? "pipeline" : "rank", cfg.data, corpus.size(), cfg.steps,
                    cfg.lr, cfg.clip, cfg.seed, at::get_num_threads(), TORCH_VERSION,

@@ -28,8 +28,27 @@ models::DecoderConfig decoder_config(const TrainConfig& cfg) {
 
 models::Decoder build_decoder(const TrainConfig& cfg) {
   models::Decoder net(decoder_config(cfg));
-  models::init_weights(*net, cfg.seed);
+  if (cfg.deferred()) {
+    models::init_weights_seeded(*net, cfg.seed);
+  } else {
+    models::init_weights(*net, cfg.seed);
+  }
   return net;
+}
+
+ShardedDecoder build_deferred_decoder(const TrainConfig& cfg, const fsdp::DeviceMesh& mesh,
+                                      const c10::Device& device, int64_t& n_params) {
+  models::Decoder net{nullptr};
+  {
+    fsdp::MetaInit meta;
+    net = models::Decoder(decoder_config(cfg));
+  }
+  n_params = parameter_count(*net);
+  ShardedDecoder d = shard_decoder(net, cfg, mesh);
+  // With --load the storage is left zero for load_weights to fill.
+  fsdp::materialize(*d.net, device,
+                    cfg.load.empty() ? models::seeded_init_rule(cfg.seed) : fsdp::InitFn{});
+  return d;
 }
 
 models::MoEDecoderConfig moe_decoder_config(const TrainConfig& cfg) {

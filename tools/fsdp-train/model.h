@@ -27,8 +27,10 @@ namespace fsdp_train {
 
 models::DecoderConfig decoder_config(const TrainConfig& cfg);
 
-// A fresh decoder with the job's initial weights (models::init_weights(seed)):
-// identical on every rank and in the --verify run.
+// A fresh decoder with the job's initial weights (models::init_weights(seed),
+// or with --init deferred models::init_weights_seeded(seed), the rule the
+// deferred model's shards are initialised by): identical on every rank and
+// in the --verify run.
 models::Decoder build_decoder(const TrainConfig& cfg);
 
 // With --moe: the plain single-card MoE decoder (models::MoEForm::Plain)
@@ -74,6 +76,13 @@ at::Tensor targets_of(const at::Tensor& tokens);
 // the flag.
 ShardedDecoder shard_decoder(const models::Decoder& net, const TrainConfig& cfg,
                              const fsdp::DeviceMesh& mesh);
+
+// --init deferred: the decoder built on the meta device, sharded as
+// shard_decoder does, then materialised on `device` -- only this rank's
+// shards are ever allocated -- and initialised by models::seeded_init_rule
+// (left zero with --load). `n_params`: the unsharded parameter count.
+ShardedDecoder build_deferred_decoder(const TrainConfig& cfg, const fsdp::DeviceMesh& mesh,
+                                      const c10::Device& device, int64_t& n_params);
 
 // With --moe, on `mesh` (efsdp, ep): the library form of `plain` (its
 // experts split over ep), each dense layer and the root sharded over the

@@ -159,6 +159,19 @@ at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
                               const std::vector<int64_t>& shape,
                               std::optional<std::vector<Placement>> grad_placements = std::nullopt);
 
+// Where this rank's local tensor sits in the global tensor, as boxes: the
+// global indices [offsets, offsets + sizes) are at local_offsets (same
+// sizes) in the local tensor. The rule is the placements' own (Shard,
+// StridedShard with its nesting and fused pieces, Replicate); boxes are
+// products of runs of consecutive rows, dim 0 outermost. Partial:
+// ArgumentError naming "placements". A rank holding nothing gets none. No
+// communication, and the local tensor's data is never read (a meta tensor is
+// fine).
+struct LocalPiece {
+  std::vector<int64_t> offsets, sizes, local_offsets;
+};
+std::vector<LocalPiece> local_pieces(const DTensor& t);
+
 // Splits a tensor that is identical on every rank of `mesh` according to
 // `placements` (no communication for Shard, StridedShard and Replicate;
 // Partial(SUM) keeps the value on group rank 0 and zeros elsewhere,

@@ -4,6 +4,7 @@
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/comm.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
@@ -16,3 +17,4 @@
 #include "fsdp/pipeline.h"
 #include "fsdp/tensor_parallel.h"
 #include "fsdp/trace.h"
+#include "fsdp/weights_file.h"

@@ -5,7 +5,9 @@
 #include <torch/csrc/api/include/torch/version.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 
@@ -22,6 +24,20 @@ inline std::string torch_version() {
 inline std::string dtype_name(c10::ScalarType t) { return c10::toString(t); }
 
 inline void set_intra_op_threads(int n) { at::set_num_threads(n); }
+
+// Variable::set_data refuses data of another tensor type (meta -> CPU or
+// CUDA), because an existing gradient accumulator would no longer match.
+// Deferred initialisation must keep each parameter's TensorImpl -- C++
+// modules hold their parameters as members (Linear::weight), so a new
+// Variable would not reach them -- and its meta parameters have never been
+// through backward: rebinding the impl to the new data is then exactly what
+// set_data does after its check (both LibTorch 1.13 and 2.x).
+inline void rebind_meta_variable(const at::Tensor& var, const at::Tensor& data) {
+  TORCH_CHECK(var.is_meta(), "rebind_meta_variable: the variable is not on the meta device");
+  TORCH_CHECK(!var.grad_fn() && !var.grad().defined(),
+              "rebind_meta_variable: the variable has autograd history");
+  var.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+}
 
 }  // namespace fsdp::compat
 

@@ -61,6 +61,10 @@ std::string describe(const std::exception_ptr& e) {
     return json{{"type", "checkpoint"}, {"kind", static_cast<int>(c.kind())},
                 {"tensor", c.tensor()}, {"file", c.file()}, {"what", c.what()}}
         .dump();
+  } catch (const ShapeError& a) {  // before ArgumentError: the subclass survives the trip
+    return json{{"type", "shape"}, {"argument", a.argument()}, {"what", a.what()}}.dump();
+  } catch (const DTypeError& a) {
+    return json{{"type", "dtype"}, {"argument", a.argument()}, {"what", a.what()}}.dump();
   } catch (const ArgumentError& a) {
     return json{{"type", "argument"}, {"argument", a.argument()}, {"what", a.what()}}.dump();
   } catch (const StateError& s) {
@@ -88,6 +92,8 @@ void agree(const ProcessGroupPtr& group, const std::exception_ptr& mine) {
                             j.at("tensor").get<std::string>(), j.at("file").get<std::string>(),
                             what);
     }
+    if (type == "shape") throw ShapeError(j.at("argument").get<std::string>(), what);
+    if (type == "dtype") throw DTypeError(j.at("argument").get<std::string>(), what);
     if (type == "argument") throw ArgumentError(j.at("argument").get<std::string>(), what);
     if (type == "state") throw StateError(what);
     throw Error(what);

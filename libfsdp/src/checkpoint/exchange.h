@@ -17,7 +17,8 @@ std::vector<std::string> all_gather_text(const ProcessGroupPtr& group, const std
 std::string broadcast_text(const ProcessGroupPtr& group, const std::string& text, int root);
 // Collective: returns when no rank failed; otherwise every rank throws the
 // error of the lowest failing rank (same type -- CheckpointError,
-// ArgumentError, StateError or Error -- same fields, same message).
+// ShapeError, DTypeError, ArgumentError, StateError or Error -- same fields,
+// same message).
 void agree(const ProcessGroupPtr& group, const std::exception_ptr& mine);
 
 }  // namespace fsdp::dcp::detail

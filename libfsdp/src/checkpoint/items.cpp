@@ -111,32 +111,48 @@ Placed place(const std::string& name, const at::Tensor& p, const ModuleLayouts& 
   return out;
 }
 
+void add_distributed(const torch::nn::Module& module, ModuleLayouts& l) {
+  for (const auto& dp : dtensor_params(module)) {
+    l.distributed.emplace(dp.param.to_local().unsafeGetTensorImpl(), dp.param);
+  }
+}
+
 ModuleLayouts layouts_of(const State& state) {
   ModuleLayouts l;
   l.managed = fsdp::detail::managed_shards();
-  for (const auto& m : state.modules()) {
-    for (const auto& dp : dtensor_params(*m.module)) {
-      l.distributed.emplace(dp.param.to_local().unsafeGetTensorImpl(), dp.param);
-    }
-  }
+  for (const auto& m : state.modules()) add_distributed(*m.module, l);
   return l;
 }
 
 struct ModuleTensor {
-  std::string name;  // "<prefix>/<name>"
+  std::string name;  // "<prefix>/<name>" in a State, else the module name
   std::string kind;  // "param" or "buffer"
   at::Tensor tensor;
 };
 
-std::vector<ModuleTensor> module_tensors(const State::Module& m) {
+// `module`'s tensors named "<head><name>".
+std::vector<ModuleTensor> module_tensors(const torch::nn::Module& module, const std::string& head) {
   std::vector<ModuleTensor> out;
-  for (const auto& p : m.module->named_parameters(/*recurse=*/true)) {
-    out.push_back({m.prefix + "/" + p.key(), "param", p.value()});
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    out.push_back({head + p.key(), "param", p.value()});
   }
-  for (const auto& b : m.module->named_buffers(/*recurse=*/true)) {
-    if (b.value().defined()) out.push_back({m.prefix + "/" + b.key(), "buffer", b.value()});
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) out.push_back({head + b.key(), "buffer", b.value()});
   }
   return out;
+}
+
+Item item_of(const ModuleTensor& mt, const Placed& p) {
+  Item it;
+  it.name = mt.name;
+  it.kind = mt.kind;
+  it.dtype = p.local.scalar_type();
+  it.shape = p.shape;
+  it.local = p.local;
+  it.boxes = p.boxes;
+  it.layout = p.layout;
+  it.install = p.load;
+  return it;
 }
 
 // Every module tensor of `state` as an Item (install: its load), and its
@@ -145,22 +161,30 @@ void add_module_items(const State& state, std::vector<Item>& items,
                       std::map<std::string, Placed>& placed) {
   const ModuleLayouts layouts = layouts_of(state);
   for (const auto& m : state.modules()) {
-    for (auto& mt : module_tensors(m)) {
+    for (auto& mt : module_tensors(*m.module, m.prefix + "/")) {
       Placed p = place(mt.name, mt.tensor, layouts);
-      Item it;
-      it.name = mt.name;
-      it.kind = mt.kind;
-      it.dtype = p.local.scalar_type();
-      it.shape = p.shape;
-      it.local = p.local;
-      it.boxes = p.boxes;
-      it.layout = p.layout;
-      it.install = p.load;
-      items.push_back(std::move(it));
+      items.push_back(item_of(mt, p));
       placed.emplace(mt.name, std::move(p));
     }
   }
 }
+
+}  // namespace
+
+std::vector<Item> module_items(torch::nn::Module& module) {
+  ModuleLayouts layouts;
+  layouts.managed = fsdp::detail::managed_shards();
+  add_distributed(module, layouts);
+  std::vector<Item> items;
+  for (const auto& mt : module_tensors(module, "")) {
+    items.push_back(item_of(mt, place(mt.name, mt.tensor, layouts)));
+  }
+  std::sort(items.begin(), items.end(),
+            [](const Item& a, const Item& b) { return a.name < b.name; });
+  return items;
+}
+
+namespace {
 
 // The user's DTensors (add_dtensor); load writes into their local tensors.
 void add_dtensor_items(const State& state, std::vector<Item>& items) {

@@ -42,6 +42,11 @@ std::vector<Item> items_for_save(const State& state);
 // and with `same_world` this rank's rank-local tensors.
 std::vector<Item> items_for_load(State& state, const Index& index, const std::string& shown_as,
                                  int rank, bool same_world);
+// Every parameter and buffer of `module` (recursively) as an Item named by
+// its module name, laid out as save and load lay it out (fully_shard's
+// shards, TP/EP DTensors, whole plain tensors); install writes in place.
+std::vector<Item> module_items(torch::nn::Module& module);
+
 // Drops the per-parameter state of every optimizer of `state` (load then
 // installs the checkpoint's).
 void clear_optimizer_state(State& state);

@@ -184,8 +184,11 @@ std::shared_ptr<UnitState> shard_unit(
   const bool pin = offload && options.offload_policy->pin_memory;
   std::vector<std::vector<detail::ShardedParam>> params(plan.groups.size());
   for (auto& p : plan.params) {
-    params[p.group].emplace_back(p.name, p.param, std::move(p.layout), p.dtypes, p.param.device(),
-                                 offload, pin);
+    // A meta parameter (fsdp::MetaInit) computes where the mesh does once
+    // materialized.
+    const c10::Device device = p.param.is_meta() ? detail::mesh_device(mesh) : p.param.device();
+    params[p.group].emplace_back(p.name, p.param, std::move(p.layout), p.dtypes, device, offload,
+                                 pin);
   }
   std::vector<detail::ParamGroup> groups;
   for (size_t g = 0; g < plan.groups.size(); ++g) {

@@ -82,12 +82,13 @@ ShardedParam::ShardedParam(std::string name, at::Tensor param, ParamLayout layou
       compute_device_(compute_device),
       shard_size_(layout_.shard_group->size()),
       shard_rank_(layout_.shard_group->rank()) {
+  offload_ = offload;
+  pin_memory_ = pin_memory;
+  deferred_ = param_.is_meta();
   const at::Tensor full = param_.detach();
-  const auto storage_device = offload ? c10::Device(c10::kCPU) : compute_device_;
-  auto storage_options = full.options().device(storage_device);
-  if (offload && pin_memory && compute_device_.is_cuda()) {
-    storage_options = storage_options.pinned_memory(true);
-  }
+  // Deferred: the shard's layout is fixed now, its storage by materialize().
+  const at::TensorOptions options =
+      deferred_ ? full.options().device(c10::kMeta) : storage_options();
   if (layout_.fsdp.is_shard()) {
     dim_ = layout_.fsdp.dim();
     const at::Tensor moved = full.movedim(dim_, 0);
@@ -98,12 +99,12 @@ ShardedParam::ShardedParam(std::string name, at::Tensor param, ParamLayout layou
     owned_rows_ = ext.length;
     std::vector<int64_t> block_shape = moved_shape_;
     block_shape[0] = chunk_;
-    padded_ = at::zeros(block_shape, storage_options);
-    padded_.narrow(0, 0, owned_rows_).copy_(moved.narrow(0, ext.offset, owned_rows_));
+    padded_ = at::zeros(block_shape, options);
+    if (!deferred_) padded_.narrow(0, 0, owned_rows_).copy_(moved.narrow(0, ext.offset, owned_rows_));
     block_numel_ = product(block_shape);
   } else {
-    padded_ = at::empty(full.sizes(), storage_options);
-    padded_.copy_(full);
+    padded_ = at::empty(full.sizes(), options);
+    if (!deferred_) padded_.copy_(full);
     block_numel_ = full.numel();
   }
   local_ = owned(padded_);
@@ -111,6 +112,34 @@ ShardedParam::ShardedParam(std::string name, at::Tensor param, ParamLayout layou
                    param_dtype_ == orig_dtype_ && padded_.device() == compute_device_;
   if (full_is_shard_) full_ = local_;
   param_.mutable_grad() = at::Tensor();  // a full-shape gradient has no place on a shard
+  to_sharded();
+}
+
+at::TensorOptions ShardedParam::storage_options() const {
+  const auto storage_device = offload_ ? c10::Device(c10::kCPU) : compute_device_;
+  auto options = at::TensorOptions().dtype(orig_dtype_).device(storage_device);
+  if (offload_ && pin_memory_ && compute_device_.is_cuda()) options = options.pinned_memory(true);
+  return options;
+}
+
+void ShardedParam::check_materialized(const char* op) const {
+  if (!deferred_) return;
+  throw StateError("fully_shard: parameter '" + name_ + "' is still on the meta device (built "
+                   "under fsdp::MetaInit) and cannot be " + op +
+                   "; call fsdp::materialize on the model first (fsdp/deferred_init.h)");
+}
+
+void ShardedParam::materialize() {
+  if (!deferred_) return;
+  // Zeros: the padding rows past the owned ones must stay zero (they are
+  // all-gathered and reduced like the rest).
+  padded_ = at::zeros(padded_.sizes(), storage_options());
+  local_ = owned(padded_);
+  deferred_ = false;
+  full_is_shard_ = (!layout_.fsdp.is_shard() || shard_size_ == 1) &&
+                   param_dtype_ == orig_dtype_ && padded_.device() == compute_device_;
+  full_ = full_is_shard_ ? local_ : at::Tensor();
+  compat::rebind_meta_variable(param_, local_);
   to_sharded();
 }
 
@@ -125,10 +154,12 @@ DTensor ShardedParam::dtensor() const {
 }
 
 void ShardedParam::unshard_locally() {
+  check_materialized("unsharded");
   if (!full_is_shard_) copy_in(all_gather_output());
 }
 
 void ShardedParam::copy_in(const at::Tensor& dst) {
+  check_materialized("all-gathered");
   // An offloaded shard is pinned on CUDA runs: its upload does not block the
   // host, and the host waits for it before it next writes the shard.
   const bool upload = compute_device_.is_cuda() && padded_.is_pinned();
@@ -161,6 +192,7 @@ at::Tensor ShardedParam::all_gather_output() {
 
 void ShardedParam::to_unsharded() {
   if (unsharded_) return;
+  check_materialized("unsharded");
   if (!layout_.fsdp.is_shard() && !full_is_shard_) all_gather_output().copy_(padded_.view({-1}));
   // The sharded gradient waits aside while autograd works on the full one.
   if (param_.grad().defined()) {
@@ -354,6 +386,7 @@ void ShardedParam::zero_grad() {
 }
 
 void ShardedParam::load_local(const at::Tensor& local_values) {
+  check_materialized("loaded");
   host_copies_.wait();  // an upload may still read the shard
   at::NoGradGuard no_grad;
   local_.copy_(local_values);

@@ -48,7 +48,9 @@ struct ParamLayout {
 class ShardedParam {
  public:
   // Takes `param` (the Variable the module holds) over: after construction
-  // its data is the local shard.
+  // its data is the local shard. A meta `param` (built under fsdp::MetaInit)
+  // gets a meta shard -- no memory -- until materialize(); compute_device is
+  // then the unit's device, not the parameter's.
   ShardedParam(std::string name, at::Tensor param, ParamLayout layout, const UnitDtypes& dtypes,
                c10::Device compute_device, bool offload, bool pin_memory);
 
@@ -148,6 +150,17 @@ class ShardedParam {
   // Overwrites the shard from a tensor of the local shape (values only).
   void load_local(const at::Tensor& local_values);
 
+  // ---- deferred initialisation (fsdp/deferred_init.h) ----
+  // The shard is still on the meta device.
+  bool deferred() const { return deferred_; }
+  // Allocates the shard's storage (zeros; on the compute device, or in CPU
+  // memory when offloaded) and points the parameter at it. No-op unless
+  // deferred().
+  void materialize();
+  // StateError naming the parameter while deferred(): `op` would read a
+  // shard that has no values yet.
+  void check_materialized(const char* op) const;
+
   // ---- memory accounting (fsdp/memory.h): the buffers as held now ----
   // The shard's storage (padded rows, original dtype; the local shard and,
   // sharded, the parameter are views of it).
@@ -194,6 +207,10 @@ class ShardedParam {
   at::Tensor full_;             // the full parameter (view of unsharded_buf_)
   bool unsharded_ = false;
   bool full_is_shard_ = false;
+  bool deferred_ = false;       // the shard is a meta tensor (materialize())
+  bool offload_ = false, pin_memory_ = false;
+
+  at::TensorOptions storage_options() const;
 
   compat::NodePtr hooked_accumulator_;  // strong: the param holds it weakly
   at::Tensor pass_grad_;         // this pass's full gradient, reduce dtype

@@ -153,6 +153,8 @@ size_t ParamGroup::fused_gather_buffer(int64_t ws) {
 
 void ParamGroup::issue_unshard() {
   if (unsharded_ || gather_issued_) return;
+  // Before anything changes: a deferred shard has no values to gather.
+  for (const auto& p : params_) p.check_materialized("unsharded");
   gather_issued_ = true;
   if (holds_post_forward_shards()) {
     issue_post_forward_unshard();

@@ -229,6 +229,11 @@ const DeviceMesh& default_mesh() {
   return *mesh;
 }
 
+c10::Device mesh_device(const DeviceMesh& mesh) {
+  const c10::Device rt = Runtime::get().device();
+  return rt.type() == mesh.device_type() ? rt : c10::Device(mesh.device_type());
+}
+
 bool contains_tensor(const std::vector<at::Tensor>& list, const at::Tensor& t) {
   for (const auto& x : list) {
     if (x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return true;

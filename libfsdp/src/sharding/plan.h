@@ -24,6 +24,9 @@ namespace fsdp::detail {
 
 // The mesh of a fully_shard call without options.mesh: 1-D over the world.
 const DeviceMesh& default_mesh();
+// The device a mesh's collectives run on for this rank: the Runtime's device
+// when it has the mesh's type (cuda:<local rank>), else that type's default.
+c10::Device mesh_device(const DeviceMesh& mesh);
 
 // Whether `list` holds `t` itself (by TensorImpl).
 bool contains_tensor(const std::vector<at::Tensor>& list, const at::Tensor& t);
