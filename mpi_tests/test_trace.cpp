@@ -8,7 +8,11 @@
 #include <fsdp/mesh.h>
 #include <fsdp/trace.h>
 
+#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
@@ -234,4 +238,43 @@ BOOST_AUTO_TEST_CASE(hsdp_trace_has_all_reduce) {  // [ours]
   for (const auto& e : collectives) {
     BOOST_TEST(e.args.value("bytes", int64_t{0}) > 0, e.args.dump());
   }
+}
+
+// Memory counters (docs/memory.md#trace-counters): each unit's "memory
+// <unit>" counter events, against sizes worked out from the layer shapes:
+// Linear(64, 48) holds weight [48, 64] and bias [48], 48 * 65 fp32 values.
+BOOST_AUTO_TEST_CASE(memory_counters_trace) {  // [ours] issue #41
+  const int64_t ws = spmd::world_size();
+  BOOST_TEST_REQUIRE(ws >= 2, "registered at np 2");
+  const int64_t full_bytes = 48 * 65 * 4;  // 48 rows split evenly at np 2 and 4
+  {
+    torch::nn::Sequential seq(torch::nn::Linear(64, 48), torch::nn::ReLU(),
+                              torch::nn::Linear(48, 16));
+    fsdp::fully_shard(seq->ptr(0));
+    auto root = fsdp::fully_shard(seq);
+    root(at::ones({4, 64})).sum().backward();
+  }
+  fsdp::trace::flush();
+  const json doc = read_trace();
+  std::vector<json> counters;
+  for (const auto& e : doc.at("traceEvents")) {
+    if (e.at("ph") == "C" && e.at("name") == "memory 0") counters.push_back(e);
+  }
+  BOOST_TEST_REQUIRE(counters.size() >= 3u, "unshard, reshard, reduction");
+  std::stable_sort(counters.begin(), counters.end(), [](const json& a, const json& b) {
+    return a.at("ts").get<double>() < b.at("ts").get<double>();
+  });
+  // While unsharded (forward and backward): the full parameters in their
+  // dtype; the first counter is the forward's unshard.
+  BOOST_TEST(counters.front().at("args").at("unsharded").get<int64_t>() == full_bytes,
+             counters.front().dump());
+  BOOST_TEST(counters.front().at("args").at("shard").get<int64_t>() == full_bytes / ws);
+  bool reduce_seen = false;
+  for (const auto& c : counters) reduce_seen = reduce_seen || c.at("args").at("reduce_buffer").get<int64_t>() > 0;
+  BOOST_TEST(reduce_seen, "no counter shows the reduce-scatter buffers");
+  // At the end: resharded, reduced, the sharded gradient in place.
+  const json& last = counters.back().at("args");
+  BOOST_TEST(last.at("unsharded").get<int64_t>() == 0, last.dump());
+  BOOST_TEST(last.at("reduce_buffer").get<int64_t>() == 0, last.dump());
+  BOOST_TEST(last.at("grad").get<int64_t>() == full_bytes / ws, last.dump());
 }

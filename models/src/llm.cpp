@@ -90,4 +90,20 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
+DecoderActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch_per_rank,
+                                                int64_t seq, c10::ScalarType dtype,
+                                                bool activation_checkpointing) {
+  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t t = batch_per_rank * seq, h = config.hidden, f = config.ffn_dim();
+  DecoderActivationBytes b;
+  const int64_t full_layer = 10 * t * h * e + 4 * t * f * e +
+                             batch_per_rank * config.heads * seq * seq * e + seq * seq + 2 * t * e;
+  b.layer = activation_checkpointing ? t * h * e : full_layer;
+  b.layer_recompute = activation_checkpointing ? full_layer : 0;
+  b.layer_backward = 4 * t * f * e + 2 * t * h * e;
+  b.root = 3 * t * h * e + t * e;
+  b.loss = 3 * t * config.vocab * e;
+  return b;
+}
+
 }  // namespace models

@@ -30,6 +30,8 @@ void add_collectives_command(CLI::App& app, Command& chosen);
 void add_train_command(CLI::App& app, Command& chosen);
 // Registers `checkpoint` (fsdp-bench/checkpoint.cpp) likewise.
 void add_checkpoint_command(CLI::App& app, Command& chosen);
+// Registers `memory` (fsdp-bench/memory.cpp) likewise.
+void add_memory_command(CLI::App& app, Command& chosen);
 
 // ---- sizes ----------------------------------------------------------------
 // "4096", "1K", "256M", "2G" (binary multiples, case-insensitive, optional

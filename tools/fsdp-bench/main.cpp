@@ -3,6 +3,7 @@
 //   mpiexec -n 2 fsdp-bench collectives [--min-bytes 1K --max-bytes 256M ...]
 //   mpiexec -n 2 fsdp-bench train [--batch 8 --steps 10 --json FILE ...]
 //   mpiexec -n 2 fsdp-bench checkpoint [--dir D --params 64M ...]
+//   mpiexec -n 2 fsdp-bench memory [--preset small,large --dtype fp32,bf16 --check 0.1]
 #include "harness.h"
 
 #include <iostream>
@@ -19,6 +20,7 @@ int run(int argc, char** argv) {
   fsdp_bench::add_collectives_command(app, chosen);
   fsdp_bench::add_train_command(app, chosen);
   fsdp_bench::add_checkpoint_command(app, chosen);
+  fsdp_bench::add_memory_command(app, chosen);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -6,6 +6,7 @@
 // The rule: docs/architecture.md#typed-errors.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -70,6 +71,39 @@ class CommError : public Error {
 class TimeoutError : public CommError {
  public:
   using CommError::CommError;
+};
+
+// An allocation that libfsdp makes for a collective (all-gather output,
+// reduce-scatter / all-reduce buffers, the unsharded parameters) failed:
+// LibTorch's out-of-memory (c10::OutOfMemoryError on CUDA, "not enough
+// memory" / "can't allocate memory" from the CPU allocator, std::bad_alloc)
+// re-thrown naming the unit and the operation. The other ranks are then
+// waiting in (or about to enter) that collective, so the job cannot go on:
+// the rank that throws announces the error to every rank, whose watchdog
+// prints it and ends the job (docs/memory.md#out-of-memory).
+class OutOfMemoryError : public Error {
+ public:
+  OutOfMemoryError(std::string unit, std::string op, int64_t bytes_requested, int64_t bytes_held,
+                   const std::string& what)
+      : Error(what),
+        unit_(std::move(unit)),
+        op_(std::move(op)),
+        bytes_requested_(bytes_requested),
+        bytes_held_(bytes_held) {}
+  // The FSDP unit whose buffers were being allocated ("" outside any unit).
+  const std::string& unit() const noexcept { return unit_; }
+  // "all-gather", "unshard", "reduce-scatter", "all-reduce".
+  const std::string& op() const noexcept { return op_; }
+  // Bytes of the buffers that operation allocates on this rank.
+  int64_t bytes_requested() const noexcept { return bytes_requested_; }
+  // Bytes this rank's units held then (fsdp::memory_report's totals).
+  int64_t bytes_held() const noexcept { return bytes_held_; }
+
+ private:
+  std::string unit_;
+  std::string op_;
+  int64_t bytes_requested_;
+  int64_t bytes_held_;
 };
 
 }  // namespace fsdp

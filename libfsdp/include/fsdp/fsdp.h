@@ -8,6 +8,7 @@
 #include "fsdp/dtensor.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/memory.h"
 #include "fsdp/mesh.h"
 #include "fsdp/moe.h"
 #include "fsdp/optim_state.h"

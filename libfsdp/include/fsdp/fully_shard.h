@@ -36,6 +36,7 @@
 #pragma once
 
 #include "fsdp/dtensor.h"
+#include "fsdp/memory.h"
 #include "fsdp/mesh.h"
 #include "fsdp/module_holder.h"
 #include "fsdp/options.h"
@@ -162,6 +163,9 @@ class FSDPModule {
 
   const DeviceMesh& mesh() const;
   bool is_root() const;
+  // What this unit holds on this rank now (fsdp/memory.h; no optimizer
+  // state: fsdp::memory_report attributes that). Reads only.
+  UnitMemory memory() const;
 
  private:
   friend FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>&, FullyShardOptions);

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace fsdp::trace {
 
@@ -44,6 +46,11 @@ int64_t current_unit();
 void set_unit_label(int64_t unit, std::string label);
 // The label set for `unit`, or "" (unknown or -1).
 std::string unit_label(int64_t unit);
+// A counter event ("ph":"C") named `name` now, one series per value:
+// Perfetto and chrome://tracing draw it as a stacked area over time (the
+// per-unit memory counters of fsdp/memory.h).
+void counter(std::string name, const char* category,
+             const std::vector<std::pair<std::string, int64_t>>& values);
 void hint_collective_bytes(int64_t bytes);
 int64_t take_collective_bytes();
 int64_t now_ns();

@@ -51,6 +51,7 @@ struct Event {
   int64_t start_ns = 0;
   int64_t dur_ns = 0;
   std::vector<Arg> args;
+  bool counter = false;  // "ph":"C" (values in args), else a complete span "X"
 };
 
 constexpr size_t kChunkEvents = 256;
@@ -256,10 +257,12 @@ void write_trace(std::ostream& out, const Registry& r, const std::vector<ThreadB
         put_string(text, e.name);
         text += ",\"cat\":";
         put_string(text, e.category);
-        text += ",\"ph\":\"X\",\"ts\":";
+        text += e.counter ? ",\"ph\":\"C\",\"ts\":" : ",\"ph\":\"X\",\"ts\":";
         put_micros(text, e.start_ns - r.origin_ns);
-        text += ",\"dur\":";
-        put_micros(text, e.dur_ns);
+        if (!e.counter) {
+          text += ",\"dur\":";
+          put_micros(text, e.dur_ns);
+        }
         text += ",\"pid\":" + pid + ",\"tid\":" + tid + ",\"args\":{";
         bool first = true;
         auto key = [&](const std::string& k) {
@@ -396,6 +399,19 @@ void end(uint64_t token) {
     publish(b, std::move(top.event));
     if (done) return;
   }
+}
+
+void counter(std::string name, const char* category,
+             const std::vector<std::pair<std::string, int64_t>>& values) {
+  if (!g_enabled.load(std::memory_order_relaxed)) return;
+  ThreadBuffer& b = buffer();
+  Event e;
+  e.name = std::move(name);
+  e.category = category != nullptr ? category : "user";
+  e.start_ns = now_ns();
+  e.counter = true;
+  for (const auto& [key, value] : values) e.args.push_back(Arg{key, false, value, {}});
+  publish(b, std::move(e));
 }
 
 void add_arg(uint64_t token, const char* key, int64_t value) {

@@ -34,6 +34,15 @@ constexpr int kExitStatus = 124;  // as timeout(1)
 
 CommSettings g_settings;
 
+// Fatal errors of one rank reach the others on a communicator of their own
+// (a dup of the world, made where every rank starts the watchdog), so that
+// no user or library message can match them.
+constexpr int kFatalTag = 7041;
+constexpr int kFatalMaxChars = 2048;
+MPI_Comm g_fatal_comm = MPI_COMM_NULL;
+std::mutex g_fatal_mu;
+std::string* g_fatal_text = nullptr;  // never freed: pending sends read it
+
 struct Watchdog {
   std::mutex mu;
   std::condition_variable cv;
@@ -111,7 +120,83 @@ void abort_async_sources() noexcept {
   abort_job();
 }
 
+// Another rank announced a fatal error (announce_fatal_error): its text, or
+// empty. Called by the watchdog thread only.
+std::string poll_fatal_error(int* from) {
+  if (g_fatal_comm == MPI_COMM_NULL) return {};
+  int flag = 0;
+  MPI_Status status;
+  MPI_Iprobe(MPI_ANY_SOURCE, kFatalTag, g_fatal_comm, &flag, &status);
+  if (flag == 0) return {};
+  int count = 0;
+  MPI_Get_count(&status, MPI_CHAR, &count);
+  std::string text(static_cast<size_t>(std::max(count, 0)), '\0');
+  MPI_Recv(text.data(), count, MPI_CHAR, status.MPI_SOURCE, kFatalTag, g_fatal_comm,
+           MPI_STATUS_IGNORE);
+  *from = status.MPI_SOURCE;
+  return text.empty() ? std::string("(no message)") : text;
+}
+
+[[noreturn]] void report_fatal_error_and_abort(const std::string& error, int from, int rank,
+                                               int size) {
+  std::ostringstream os;
+  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": rank " << from
+     << " failed: " << error;
+  for (const PendingEntry& e : pending_snapshot()) {
+    os << "\n[libfsdp watchdog] rank " << rank << ": pending: " << describe_pending(e);
+  }
+  os << "\n[libfsdp watchdog] rank " << rank << ": aborting the job (MPI_Abort, exit status "
+     << kExitStatus << ")\n";
+  const std::string text = os.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+  abort_async_sources();
+  abort_job();
+}
+
 }  // namespace
+
+void announce_fatal_error(const std::string& text) {
+  std::lock_guard<std::mutex> lock(g_fatal_mu);
+  if (g_fatal_text != nullptr) return;
+  g_fatal_text = new std::string(text.substr(0, kFatalMaxChars));
+  if (g_fatal_comm == MPI_COMM_NULL) return;
+  int rank = 0, size = 0;
+  MPI_Comm_rank(g_fatal_comm, &rank);
+  MPI_Comm_size(g_fatal_comm, &size);
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    // Non-blocking, never waited for: the peers receive it whenever their
+    // watchdog polls (or never, if the job ends first); the text outlives it.
+    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Isend(g_fatal_text->data(), static_cast<int>(g_fatal_text->size()), MPI_CHAR, r,
+              kFatalTag, g_fatal_comm, &request);
+    MPI_Request_free(&request);
+  }
+}
+
+bool fatal_error_announced() {
+  std::lock_guard<std::mutex> lock(g_fatal_mu);
+  return g_fatal_text != nullptr;
+}
+
+void abort_after_fatal_error(int world_rank) {
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(g_fatal_mu);
+    if (g_fatal_text != nullptr) text = *g_fatal_text;
+  }
+  std::ostringstream os;
+  os << "[libfsdp] rank " << world_rank << ": the Runtime ends after " << text
+     << "\n[libfsdp] rank " << world_rank
+     << ": the other ranks cannot finish: aborting the job (MPI_Abort, exit status "
+     << kExitStatus << ")\n";
+  const std::string out = os.str();
+  std::fwrite(out.data(), 1, out.size(), stderr);
+  std::fflush(stderr);
+  abort_async_sources();
+  abort_job();
+}
 
 void register_async_error_source(const std::shared_ptr<AsyncErrorSource>& source) {
   auto& s = async_error_sources();
@@ -138,6 +223,10 @@ void configure_comm(const CommSettings& settings) { g_settings = settings; }
 const CommSettings& comm_settings() { return g_settings; }
 
 void start_watchdog(int world_rank, int world_size) {
+  // Every rank gets here (the Runtime's constructor), whatever its timeout
+  // (FSDP_TIMEOUT is not compared across ranks), so the dup is collective as
+  // it must be. Kept for the process: a later Runtime reuses it.
+  if (g_fatal_comm == MPI_COMM_NULL) MPI_Comm_dup(MPI_COMM_WORLD, &g_fatal_comm);
   if (g_watchdog != nullptr || g_settings.timeout_seconds <= 0) return;
   const double timeout = g_settings.timeout_seconds;
   // A tenth of the timeout, between 50 ms and 1 s: aborts within about
@@ -155,6 +244,9 @@ void start_watchdog(int world_rank, int world_size) {
         const std::string error = source->async_error();
         if (!error.empty()) report_async_error_and_abort(error, world_rank, world_size);
       }
+      int from = -1;
+      const std::string fatal = poll_fatal_error(&from);
+      if (!fatal.empty()) report_fatal_error_and_abort(fatal, from, world_rank, world_size);
     }
   });
 }

@@ -12,6 +12,18 @@ namespace fsdp::detail {
 void start_watchdog(int world_rank, int world_size);
 void stop_watchdog();
 
+// A failure on this rank that leaves the others waiting in a collective it
+// will never issue (fsdp::OutOfMemoryError before an all-gather): `text` is
+// sent to every other rank (once per process; later calls are no-ops), whose
+// watchdog prints it within one poll period and ends the job as on a
+// timeout, instead of waiting out FSDP_TIMEOUT. Never blocks. With the
+// watchdog off (FSDP_TIMEOUT=off) nobody listens: the others hang as before.
+void announce_fatal_error(const std::string& text);
+bool fatal_error_announced();
+// Runtime's destructor after an announced error: MPI_Finalize would wait for
+// ranks that are stuck, so this rank ends the job instead (MPI_Abort, 124).
+[[noreturn]] void abort_after_fatal_error(int world_rank);
+
 // A transport whose failures surface asynchronously (NCCL: a dead peer or
 // network leaves kernels spinning and the host blocked, with the error only
 // in ncclCommGetAsyncError). The watchdog polls every registered source each

@@ -360,6 +360,9 @@ void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
 }
 
 Runtime::~Runtime() {
+  // A rank that threw an error the others cannot get past (OutOfMemoryError
+  // before a collective) must not wait for them in MPI_Finalize.
+  if (detail::fatal_error_announced()) detail::abort_after_fatal_error(world_rank_);
   detail::stop_watchdog();
   detail::shutdown_group_registry();
   trace::detail::stop();  // writes the trace, comm-thread spans included (threads joined)

@@ -161,6 +161,18 @@ class ShardedParam {
   // shard that has no values yet.
   void check_materialized(const char* op) const;
 
+  // ---- memory accounting (fsdp/memory.h): the buffers as held now ----
+  // The shard's storage (padded rows, original dtype; the local shard and,
+  // sharded, the parameter are views of it).
+  const at::Tensor& shard_storage() const { return padded_; }
+  // The unsharded buffer (its storage is released, 0 bytes, while sharded);
+  // undefined before the first unshard.
+  const at::Tensor& unsharded_buffer() const { return unsharded_buf_; }
+  // This pass's full gradient taken from autograd (reduce dtype), and the
+  // sharded gradient set aside while the parameter is unsharded.
+  const at::Tensor& pass_grad() const { return pass_grad_; }
+  const at::Tensor& stashed_grad() const { return stashed_grad_; }
+
  private:
   at::Tensor owned(const at::Tensor& block) const;  // block [c, rest] -> local layout
   void set_grad(const at::Tensor& g);

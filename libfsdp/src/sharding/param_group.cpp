@@ -4,6 +4,7 @@
 
 #include "fsdp/trace.h"
 #include "comm/group_registry.h"
+#include "sharding/memory_guard.h"
 #include "base/torch_compat.h"
 
 #include <ATen/ATen.h>
@@ -35,6 +36,17 @@ struct AllReduceQueue {
 AllReduceQueue& all_reduce_queue() {
   static auto* q = new AllReduceQueue;
   return *q;
+}
+
+// Bytes of the full (gathered) buffers of `params`' Shard placements: what
+// an unshard allocates on this rank.
+int64_t gathered_bytes(const std::vector<ShardedParam>& params, int64_t ws) {
+  int64_t n = 0;
+  for (const auto& p : params) {
+    if (!p.is_sharded_placement()) continue;
+    n += p.padded_block_numel() * ws * static_cast<int64_t>(c10::elementSize(p.compute_dtype()));
+  }
+  return n;
 }
 
 }  // namespace
@@ -150,9 +162,11 @@ void ParamGroup::issue_unshard() {
   }
   const int64_t ws = shard_group_->size();
   if (ws == 1) {  // nothing to gather, fused or not: a cast or an upload at most
-    for (auto& p : params_) {
-      if (p.is_sharded_placement()) p.unshard_locally();
-    }
+    oom_guard("unshard", gathered_bytes(params_, 1), [&] {
+      for (auto& p : params_) {
+        if (p.is_sharded_placement()) p.unshard_locally();
+      }
+    });
     return;
   }
   trace::Span span("all-gather issue", "fsdp");
@@ -163,7 +177,9 @@ void ParamGroup::issue_unshard() {
   // own and no separate input buffer exists.
   const int64_t me = shard_group_->rank();
   if (fused_ && fused_block_numel_ > 0) {
-    const size_t nbytes = fused_gather_buffer(ws);
+    const int64_t want = fused_block_numel_ * ws *
+                         static_cast<int64_t>(fused_gather_options_.dtype().itemsize());
+    const size_t nbytes = oom_guard("all-gather", want, [&] { return fused_gather_buffer(ws); });
     const at::Tensor mine = fused_gather_out_.narrow(0, me * fused_block_numel_, fused_block_numel_);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
@@ -176,9 +192,10 @@ void ParamGroup::issue_unshard() {
     span.arg("bytes", static_cast<int64_t>(nbytes));
     return;
   }
+  const int64_t want = gathered_bytes(params_, ws);
   for (auto& p : params_) {
     if (!p.is_sharded_placement()) continue;
-    at::Tensor out = p.all_gather_output();
+    at::Tensor out = oom_guard("all-gather", want, [&] { return p.all_gather_output(); });
     const int64_t block = p.padded_block_numel();
     at::Tensor mine = out.narrow(0, me * block, block);
     p.copy_in(mine);
@@ -203,17 +220,26 @@ void ParamGroup::finish_unshard() {
   const int64_t ws = shard_group_->size();
   if (fused_ && fused_block_numel_ > 0 && ws > 1) {
     const at::Tensor gathered = fused_gather_out_.view({ws, fused_block_numel_});
+    const int64_t want = gathered_bytes(params_, ws);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
       if (!p.is_sharded_placement()) continue;
-      p.all_gather_output()
+      oom_guard("unshard", want, [&] { return p.all_gather_output(); })
           .view({ws, p.padded_block_numel()})
           .copy_(gathered.narrow(1, fused_offsets_[i], p.padded_block_numel()));
     }
     compat::release_storage(fused_gather_out_);
   }
   post_forward_pieces_.clear();
-  for (auto& p : params_) p.to_unsharded();
+  // Replicate placements copy their shard into a compute-dtype buffer here.
+  int64_t replicated = 0;
+  for (const auto& p : params_) {
+    if (p.is_sharded_placement() || p.full_is_shard()) continue;
+    replicated += p.padded_block_numel() * static_cast<int64_t>(c10::elementSize(p.compute_dtype()));
+  }
+  oom_guard("unshard", replicated, [&] {
+    for (auto& p : params_) p.to_unsharded();
+  });
   unsharded_ = true;
 }
 
@@ -260,7 +286,9 @@ void ParamGroup::issue_post_forward_unshard() {
   if (fused_ && fused_block_numel_ > 0) {
     // The fused buffer is rank-major ([ws][block]): this rank's piece is the
     // contiguous rows of shard ranks j*per .. j*per+per-1.
-    const size_t nbytes = fused_gather_buffer(ws);
+    const int64_t want = fused_block_numel_ * ws *
+                         static_cast<int64_t>(fused_gather_options_.dtype().itemsize());
+    const size_t nbytes = oom_guard("all-gather", want, [&] { return fused_gather_buffer(ws); });
     const at::Tensor rows = fused_gather_out_.view({ws, fused_block_numel_}).narrow(0, j * per, per);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
@@ -276,10 +304,11 @@ void ParamGroup::issue_post_forward_unshard() {
     return;
   }
   int64_t traced_bytes = 0;
+  const int64_t want = gathered_bytes(params_, ws);
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     if (!p.is_sharded_placement()) continue;
-    at::Tensor out = p.all_gather_output();
+    at::Tensor out = oom_guard("all-gather", want, [&] { return p.all_gather_output(); });
     const int64_t n = per * p.padded_block_numel();
     at::Tensor mine = out.narrow(0, j * n, n);
     mine.copy_(post_forward_pieces_[i]);
@@ -304,6 +333,24 @@ void ParamGroup::reshard() {
 }
 
 void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
+  // What the reduction's buffers take on this rank: for a Shard placement
+  // the full-size input (a row per rank) and this rank's output, for a
+  // Replicate one its full gradient; each with its presence flag.
+  const int64_t ws = shard_group_->size();
+  int64_t want = 0;
+  bool scatters = false;
+  for (const auto& p : params_) {
+    if (!p.requires_grad()) continue;
+    const auto e = static_cast<int64_t>(c10::elementSize(p.reduce_dtype()));
+    const int64_t n = p.padded_block_numel() + 1;
+    scatters = scatters || p.is_sharded_placement();
+    want += (p.is_sharded_placement() ? (ws + 1) * n : n) * e;
+  }
+  oom_guard(scatters ? "reduce-scatter" : "all-reduce", want,
+            [&] { prepare_reduce_buffers(settings); });
+}
+
+void ParamGroup::prepare_reduce_buffers(const ReduceSettings& settings) {
   if (stage_ != Stage::None) finish_reduce();
   entries_.clear();
   scatter_inputs_.clear();

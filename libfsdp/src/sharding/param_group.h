@@ -106,6 +106,20 @@ class ParamGroup {
   // gradients were dropped by zero_grad).
   void clear_partial_sums();
 
+  // ---- memory accounting (fsdp/memory.h): the buffers held now ----
+  // The fused all-gather output (storage released between gathers).
+  const at::Tensor& fused_gather_out() const { return fused_gather_out_; }
+  // hpZ: the pieces kept after forward (undefined entries for Replicate).
+  const std::vector<at::Tensor>& post_forward_pieces() const { return post_forward_pieces_; }
+  // A prepared or issued reduction's buffers (reduce-scatter inputs and
+  // outputs, all-reduce buffers) and the gradients of a local reduction.
+  const std::vector<at::Tensor>& reduce_buffers() const { return scatter_inputs_; }
+  const std::vector<std::pair<size_t, at::Tensor>>& local_grads() const { return local_grads_; }
+  // HSDP sums kept back while the all-reduce is skipped, and the gradients
+  // they restore.
+  const std::vector<at::Tensor>& partial_sums() const { return partial_sums_; }
+  const std::vector<at::Tensor>& base_grads() const { return base_grads_; }
+
  private:
   enum class Stage { None, Prepared, Scattering, AllReducing };
   struct Entry;
@@ -124,6 +138,8 @@ class ParamGroup {
   void leave_all_reduce_queue();
   void install();
 
+  // prepare_reduce's work, under its out-of-memory guard.
+  void prepare_reduce_buffers(const ReduceSettings& settings);
   // Allocates (or regrows in place) fused_gather_out_ for ws ranks; its bytes.
   size_t fused_gather_buffer(int64_t ws);
   // issue_unshard's hpZ path: the pieces' all-gathers over the post-forward group.

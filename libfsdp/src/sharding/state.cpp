@@ -5,6 +5,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
+#include "sharding/memory_guard.h"
 #include "sharding/query.h"
 #include "sharding/registry.h"
 #include "sharding/root_pass.h"
@@ -202,21 +203,25 @@ void UnitState::wait_unshard() {
       });
     }
   }
+  detail::trace_unit_memory(*this);
 }
 
 void UnitState::reshard() {
   detail::TraceUnit traced(*this);
   for (auto& g : groups) g.reshard();
+  detail::trace_unit_memory(*this);
 }
 
 void UnitState::reshard_after_forward() {
   detail::TraceUnit traced(*this);
   for (auto& g : groups) g.reshard_after_forward();
+  detail::trace_unit_memory(*this);
 }
 
 void UnitState::finish_reductions() {
   detail::TraceUnit traced(*this);
   for (auto& g : groups) g.finish_reduce();
+  detail::trace_unit_memory(*this);
 }
 
 bool UnitState::reductions_complete() const {
@@ -358,6 +363,7 @@ void UnitState::post_backward() {
     if (reduces()) {
       for (auto& g : groups) g.prepare_reduce(reduce_settings());
       pass.reduce_prepared = true;
+      detail::trace_unit_memory(*this);
     }
   }
   if (settings.reshard_after_backward) reshard();

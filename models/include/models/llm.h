@@ -12,6 +12,8 @@
 
 #include <torch/nn/modules/embedding.h>
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -77,5 +79,37 @@ TORCH_MODULE(Decoder);
 // Mean next-token cross-entropy of logits [batch, seq, vocab] against
 // targets [batch, seq].
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+// Bytes a models::Decoder forward leaves saved for backward on one rank,
+// stated from its forward (layers.cpp, llm.cpp) tensor by tensor, for
+// fsdp::estimate_memory. T = batch * seq tokens, H hidden, F ffn_dim(), h
+// heads, e the compute dtype's size:
+//   layer: 10 T H e  (RMSNorm x*rsqrt and *weight, twice: 4; the contiguous
+//                     copies matmul makes of q, k^T, v: 3; attention output
+//                     reshaped: 1; the residual h and the layer output: 2)
+//        + 4 T F e   (w1 out, silu out, w3 out, their product)
+//        + batch h seq^2 e (softmax probabilities) + seq^2 (causal mask, bool)
+//        + 2 T e     (the two rsqrt factors)
+//   with activation checkpointing only the layer's output, T H e, is kept;
+//   the layer's full set is rebuilt, one layer at a time, in backward
+//   (layer_recompute).
+//   root: the embedding output T H e + the final RMSNorm 2 T H e + T e.
+//   loss: lm_loss over the full logits: logits, log-softmax and, at the start
+//   of backward, its gradient: 3 T vocab e.
+//   layer_backward: a layer's backward begins with its SwiGLU, where the
+//   gradients of the four [T, F] tensors (the product, silu's and w3's
+//   outputs, w1's output) and of the layer's output and residual are alive
+//   before the saved tensors they replace are released: 4 T F e + 2 T H e
+//   (checked against the tracking allocator by fsdp-bench memory).
+struct DecoderActivationBytes {
+  int64_t layer = 0;
+  int64_t layer_recompute = 0;  // transient, in backward, with activation checkpointing
+  int64_t layer_backward = 0;   // a layer's backward workspace (UnitSpec::backward_workspace_bytes)
+  int64_t root = 0;
+  int64_t loss = 0;
+};
+DecoderActivationBytes decoder_activation_bytes(const DecoderConfig& config, int64_t batch_per_rank,
+                                                int64_t seq, c10::ScalarType dtype,
+                                                bool activation_checkpointing);
 
 }  // namespace models
