@@ -84,10 +84,10 @@ void abort_async_sources() noexcept {
   std::_Exit(kExitStatus);  // MPI_Abort does not return; in case it does
 }
 
-[[noreturn]] void report_async_error_and_abort(const std::string& error, int rank, int size) {
+// Prints `headline` and what this rank still has pending, then ends the job.
+[[noreturn]] void print_pending_and_abort(const std::string& headline, int rank) {
   std::ostringstream os;
-  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": " << error
-     << " (asynchronous transport error: a peer failed or the network is down)";
+  os << headline;
   for (const PendingEntry& e : pending_snapshot()) {
     os << "\n[libfsdp watchdog] rank " << rank << ": pending: " << describe_pending(e);
   }
@@ -98,6 +98,13 @@ void abort_async_sources() noexcept {
   std::fflush(stderr);
   abort_async_sources();
   abort_job();
+}
+
+[[noreturn]] void report_async_error_and_abort(const std::string& error, int rank, int size) {
+  std::ostringstream os;
+  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": " << error
+     << " (asynchronous transport error: a peer failed or the network is down)";
+  print_pending_and_abort(os.str(), rank);
 }
 
 [[noreturn]] void report_and_abort(const std::vector<PendingEntry>& pending, int rank, int size,
@@ -142,16 +149,7 @@ std::string poll_fatal_error(int* from) {
   std::ostringstream os;
   os << "[libfsdp watchdog] rank " << rank << " of " << size << ": rank " << from
      << " failed: " << error;
-  for (const PendingEntry& e : pending_snapshot()) {
-    os << "\n[libfsdp watchdog] rank " << rank << ": pending: " << describe_pending(e);
-  }
-  os << "\n[libfsdp watchdog] rank " << rank << ": aborting the job (MPI_Abort, exit status "
-     << kExitStatus << ")\n";
-  const std::string text = os.str();
-  std::fwrite(text.data(), 1, text.size(), stderr);
-  std::fflush(stderr);
-  abort_async_sources();
-  abort_job();
+  print_pending_and_abort(os.str(), rank);
 }
 
 }  // namespace
