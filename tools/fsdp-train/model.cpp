@@ -28,11 +28,9 @@ models::DecoderConfig decoder_config(const TrainConfig& cfg) {
 
 models::Decoder build_decoder(const TrainConfig& cfg) {
   models::Decoder net(decoder_config(cfg));
-  if (cfg.deferred()) {
-    models::init_weights_seeded(*net, cfg.seed);
-  } else {
-    models::init_weights(*net, cfg.seed);
-  }
+  // The rule deferred initialisation applies on the shards: every layout and
+  // --init starts from the same weights for one --seed.
+  models::init_weights_seeded(*net, cfg.seed);
   return net;
 }
 
@@ -65,7 +63,7 @@ models::MoEDecoderConfig moe_decoder_config(const TrainConfig& cfg) {
 
 models::MoEDecoder build_moe_decoder(const TrainConfig& cfg) {
   models::MoEDecoder net(moe_decoder_config(cfg));
-  models::init_weights(*net, cfg.seed);
+  models::init_weights_seeded(*net, cfg.seed);
   return net;
 }
 

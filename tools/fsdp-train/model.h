@@ -27,10 +27,9 @@ namespace fsdp_train {
 
 models::DecoderConfig decoder_config(const TrainConfig& cfg);
 
-// A fresh decoder with the job's initial weights (models::init_weights(seed),
-// or with --init deferred models::init_weights_seeded(seed), the rule the
-// deferred model's shards are initialised by): identical on every rank and
-// in the --verify run.
+// A fresh decoder with the job's initial weights
+// (models::init_weights_seeded(seed), the rule --init deferred applies on the
+// shards): identical on every rank, in every layout and in the --verify run.
 models::Decoder build_decoder(const TrainConfig& cfg);
 
 // With --moe: the plain single-card MoE decoder (models::MoEForm::Plain)
