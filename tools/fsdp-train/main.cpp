@@ -118,8 +118,9 @@ ShardedDecoder build_sharded(const TrainConfig& cfg, const c10::Device& device,
 }
 
 // --load: the file's weights into the shards (each rank reads its rows).
-// With --verify, returns them whole (on every rank: a gather over the mesh)
-// for the single-process reference to start from.
+// With --verify, returns them whole on rank 0 (the gather is collective; the
+// other ranks drop their copy at once: only rank 0 runs the reference) for
+// the single-process reference to start from.
 std::vector<std::pair<std::string, at::Tensor>> load_pretrained(const TrainConfig& cfg,
                                                                 ShardedDecoder& sharded,
                                                                 bool lead) {
@@ -138,6 +139,7 @@ std::vector<std::pair<std::string, at::Tensor>> load_pretrained(const TrainConfi
   }
   if (!cfg.verify) return {};
   std::vector<std::pair<std::string, at::Tensor>> whole = full_state(sharded);
+  if (!lead) return {};
   for (auto& [name, t] : whole) t = t.to(at::kCPU);
   return whole;
 }
