@@ -203,7 +203,7 @@ BOOST_AUTO_TEST_CASE(test_unsupported_dtype_is_dtype_error) {  // [ours]
     ProcessGroup& g = *group;
     const int n = g.size();
     const int peer = (g.rank() + 1) % n;
-    for (at::ScalarType dt : {at::kByte, at::kBool, at::kChar, at::kShort, at::kComplexFloat}) {
+    for (at::ScalarType dt : {at::kBool, at::kChar, at::kShort, at::kComplexFloat}) {
       BOOST_TEST_CONTEXT("group " << g.name() << ", dtype " << dt) {
         using fsdp::DTypeError;
         expect_error<DTypeError>("all_reduce", "tensor",
@@ -227,6 +227,45 @@ BOOST_AUTO_TEST_CASE(test_unsupported_dtype_is_dtype_error) {  // [ours]
         expect_error<DTypeError>("recv", "tensor",
                                  [&] { g.recv(at::zeros({4}, opts(dt)), peer, 0, true); });
       }
+    }
+    check_still_works(g);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(test_uint8_moves_but_does_not_reduce) {  // [ours]
+  // uint8 carries bytes of any kind (a float8 all-gather's payload): the
+  // collectives that move data take it bit for bit; reductions refuse it.
+  for (const ProcessGroupPtr& group : test_groups()) {
+    ProcessGroup& g = *group;
+    const int n = g.size();
+    const int r = g.rank();
+    BOOST_TEST_CONTEXT("group " << g.name()) {
+      using fsdp::DTypeError;
+      // 0..255 across the ranks' blocks, so every bit pattern travels.
+      const int64_t block = 256 / n + 1;
+      at::Tensor all = at::empty({block * n}, opts(at::kByte));
+      at::Tensor mine = all.narrow(0, r * block, block);
+      for (int64_t i = 0; i < block; ++i) mine[i] = static_cast<int64_t>((r * block + i) % 256);
+      g.all_gather_into_tensor(all, mine);
+      for (int64_t i = 0; i < block * n; ++i) {
+        BOOST_TEST(all[i].item<int64_t>() == i % 256);
+      }
+      at::Tensor b = at::full({7}, r == 0 ? 251 : 3, opts(at::kByte));
+      g.broadcast(b, 0);
+      BOOST_TEST(b.eq(251).all().item<bool>());
+      at::Tensor a2a_in = at::full({n}, r + 200, opts(at::kByte));
+      at::Tensor a2a_out = at::empty({n}, opts(at::kByte));
+      g.all_to_all_single(a2a_out, a2a_in);
+      for (int k = 0; k < n; ++k) BOOST_TEST(a2a_out[k].item<int64_t>() == k + 200);
+      expect_error<DTypeError>("all_reduce(uint8)", "tensor",
+                               [&] { g.all_reduce(at::zeros({4}, opts(at::kByte))); });
+      expect_error<DTypeError>("reduce_scatter_tensor(uint8)", "input", [&] {
+        g.reduce_scatter_tensor(at::zeros({4}, opts(at::kByte)),
+                                at::zeros({4 * n}, opts(at::kByte)));
+      });
+      expect_error<DTypeError>("all_gather_into_tensor(uint8 output, float input)", "output", [&] {
+        g.all_gather_into_tensor(at::zeros({4 * n}, opts(at::kByte)), at::zeros({4}, opts()));
+      });
     }
     check_still_works(g);
   }

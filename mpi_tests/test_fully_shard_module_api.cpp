@@ -136,9 +136,10 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_separate_calls_independent, *multi_rank())
   const int64_t seed = 92;
   toy::Mlp model(seed);
   model->to(spmd::device());
-  fsdp::FSDPModule u1 = fsdp::fully_shard(model->fc1.ptr());
-  fsdp::FSDPModule u2 = fsdp::fully_shard(model->fc2.ptr());
-  fsdp::FSDPModule root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model.ptr()));
+  fsdp::FSDPModule u1 = fsdp::fully_shard(model->fc1.ptr(), per_param_options());
+  fsdp::FSDPModule u2 = fsdp::fully_shard(model->fc2.ptr(), per_param_options());
+  fsdp::FSDPModule root = fsdp::fully_shard(
+      std::static_pointer_cast<torch::nn::Module>(model.ptr()), per_param_options());
   fsdp::Sharded<toy::Mlp> net(model);
   struct Counts {
     int64_t all_gathers, reduce_scatters;
@@ -216,7 +217,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_separate_calls_independent, *multi_rank())
 BOOST_AUTO_TEST_CASE(test_fully_shard_none_mesh, *multi_rank()) {  // existing: mesh=None
   const int ws = spmd::world_size();
   l1::Report rep("none_mesh");
-  l1::ShardedMlp m(61, {});
+  l1::ShardedMlp m(61, per_param_options());
   for (auto* u : {&m.fc1, &m.fc2, &m.root}) {
     BOOST_TEST(u->mesh().ndim() == 1);
     BOOST_TEST(u->mesh().size() == ws);
@@ -240,7 +241,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_explicit_1d_mesh, *multi_rank()) {  // exi
   const int ws = spmd::world_size();
   l1::Report rep("explicit_1d_mesh");
   auto mesh = fsdp::init_device_mesh(spmd::device().type(), {ws}, {"dp"});
-  fsdp::FullyShardOptions o;
+  fsdp::FullyShardOptions o = per_param_options();
   o.mesh = mesh;
   l1::ShardedMlp m(62, o);
   BOOST_TEST(m.root.mesh().dim_names() == std::vector<std::string>{"dp"});
@@ -265,7 +266,7 @@ BOOST_AUTO_TEST_CASE(test_fully_shard_2d_mesh,  // existing: HSDP 2-D mesh
                      *spmd::needs_world_size(4, "a 2x2 (replicate, shard) mesh")) {
   l1::Report rep("2d_mesh");
   const Hsdp h = make_hsdp();
-  fsdp::FullyShardOptions o;
+  fsdp::FullyShardOptions o = per_param_options();
   o.mesh = h.mesh;
   l1::ShardedMlp m(63, o);
   const auto global = toy::global_batch(603, kRows);

@@ -42,7 +42,7 @@ BOOST_AUTO_TEST_CASE(test_set_requires_all_reduce,  // L1-02
                      *spmd::needs_world_size(4, "a 2x2 (replicate, shard) mesh")) {
   l1::Report rep("L1-02");
   const Hsdp h = make_hsdp();
-  fsdp::FullyShardOptions o;
+  fsdp::FullyShardOptions o = per_param_options();
   o.mesh = h.mesh;
   const int64_t seed = 21;
   l1::ShardedMlp m(seed, o);
@@ -300,7 +300,7 @@ BOOST_AUTO_TEST_CASE(test_zero_grad, *multi_rank()) {  // L1-04
 BOOST_AUTO_TEST_CASE(test_set_requires_gradient_sync, *multi_rank()) {  // existing
   l1::Report rep("requires_gradient_sync");
   const int64_t seed = 65;
-  l1::ShardedMlp m(seed, {});
+  l1::ShardedMlp m(seed, per_param_options());
   const auto g1 = toy::global_batch(651, kRows), g2 = toy::global_batch(652, kRows);
 
   m.root.set_requires_gradient_sync(false);

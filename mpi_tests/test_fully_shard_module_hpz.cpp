@@ -153,7 +153,7 @@ BOOST_AUTO_TEST_CASE(test_reshard_after_forward_within_node, *multi_rank()) {  /
   const int64_t seed = 23;
   const std::vector<int> node = node_world_ranks();
   const int ws = spmd::world_size();
-  fsdp::FullyShardOptions opts;
+  fsdp::FullyShardOptions opts = per_param_options();
   opts.reshard_after_forward = fsdp::ReshardAfterForward::within_node();
   l1::ShardedMlp m(seed, opts);
   const StepCounts c = step(rep, m, seed, 301, "within_node", "-");
@@ -175,7 +175,7 @@ BOOST_AUTO_TEST_CASE(test_reshard_after_forward_int_forms, *multi_rank()) {  // 
   l1::Report rep("hpZ forms");
   const int64_t seed = 25;
   const int ws = spmd::world_size();
-  l1::ShardedMlp m(seed, {});
+  l1::ShardedMlp m(seed, per_param_options());
   // 1 == false: full after forward, one gather per parameter.
   m.root.set_reshard_after_forward(1);
   StepCounts c = step(rep, m, seed, 401, "raf=1", "");

@@ -27,7 +27,7 @@ BOOST_AUTO_TEST_CASE(test_dynamic_reshard_control, *multi_rank()) {  // L1-01
   const int ws = spmd::world_size();
   l1::Report rep("L1-01");
   const int64_t seed = 11;
-  l1::ShardedMlp m(seed, {});
+  l1::ShardedMlp m(seed, per_param_options());
 
   // One training step on batch `bseed`: returns the all-gathers it issued,
   // checks numel after forward/backward and the grads vs single card.
@@ -160,7 +160,7 @@ BOOST_AUTO_TEST_CASE(test_manual_reshard_unshard_lifecycle, *multi_rank()) {  //
   const int ws = spmd::world_size(), rank = spmd::rank();
   l1::Report rep("L1-05");
   const int64_t seed = 51;
-  l1::ShardedMlp m(seed, {});
+  l1::ShardedMlp m(seed, per_param_options());
   toy::Mlp ref(seed);  // full single-card weights
 
   auto full_err = [&](const std::string& prefix) {
@@ -273,7 +273,7 @@ BOOST_AUTO_TEST_CASE(test_reshard_after_forward_static, *multi_rank()) {  // exi
   l1::Report rep("reshard_after_forward_static");
   for (bool raf : {true, false}) {
     const std::string tag = std::string("raf=") + (raf ? "true" : "false");
-    fsdp::FullyShardOptions o;
+    fsdp::FullyShardOptions o = per_param_options();
     o.reshard_after_forward = raf;
     l1::ShardedMlp m(64, o);
     for (int64_t k = 0; k < 2; ++k) {
@@ -305,7 +305,7 @@ BOOST_AUTO_TEST_CASE(test_forward_prefetch_order, *multi_rank()) {  // existing
   // the second step on (the unit that ran next in the previous step);
   // "disabled": explicit empty lists, second step.
   for (const std::string tag : {"first step", "explicit", "implicit", "disabled"}) {
-    ShardedChain c(seed);
+    ShardedChain c(seed, per_param_options());
     if (tag == "explicit") {
       c.u[0].set_modules_to_forward_prefetch({c.u[1]});
       c.u[1].set_modules_to_forward_prefetch({c.u[2]});
@@ -357,7 +357,7 @@ BOOST_AUTO_TEST_CASE(test_backward_prefetch_order, *multi_rank()) {  // existing
   // implicit on CUDA, none on the CPU.
   const bool default_prefetches = spmd::device().is_cuda();
   for (const std::string mode : {"none", "explicit", "implicit", "default"}) {
-    fsdp::FullyShardOptions options;
+    fsdp::FullyShardOptions options = per_param_options();
     if (mode == "implicit") options.implicit_backward_prefetch = true;
     ShardedChain c(seed, options);
     const bool prefetches = mode == "default" ? default_prefetches : mode != "none";

@@ -64,6 +64,7 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
   const at::Tensor full_b3 = model->fc3->bias.detach().clone();
   const void* w1_ptr = model->fc1->weight.data_ptr();
   fsdp::FullyShardOptions opts;
+  opts.comm_fusion = false;  // the counts below are per parameter (unset fuses on CUDA)
   opts.ignored_params = {model->fc1->weight, model->fc3->bias};
   prec::ShardedModel<toy::Mlp> s;
   s.model = model;
@@ -159,13 +160,15 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
   toy::Mlp m2(6);
   m2->to(spmd::device());
   const int64_t w2_numel = m2->fc2->weight.numel();
-  fsdp::FullyShardOptions only_fc2;
+  fsdp::FullyShardOptions per_param;  // the count below is per parameter
+  per_param.comm_fusion = false;
+  fsdp::FullyShardOptions only_fc2 = per_param;
   only_fc2.ignored_params = {m2->fc2->weight};
   prec::ShardedModel<toy::Mlp> s2;
   s2.model = m2;
-  s2.fc1 = fsdp::fully_shard(m2->fc1);
+  s2.fc1 = fsdp::fully_shard(m2->fc1, per_param);
   s2.fc2 = fsdp::fully_shard(m2->fc2, only_fc2);
-  s2.root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(m2.ptr()));
+  s2.root = fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(m2.ptr()), per_param);
   s2.net = fsdp::Sharded<toy::Mlp>(m2);
   s2.expected_managed = m2->parameters().size() - 1;
   std::set<std::string> names2;
@@ -275,6 +278,7 @@ namespace {
 void check_replicate(const fsdp::FullyShardOptions& base, const std::string& id) {
   toy::Mlp model(8);
   fsdp::FullyShardOptions opts = base;
+  opts.comm_fusion = false;  // the counts below are per parameter (unset fuses on CUDA)
   opts.replicate_params = {model->fc1->bias, model->fc3->weight};
   auto s = prec::shard_model(model, opts, opts);
   const std::set<std::string> replicated = {"fc1.bias", "fc3.weight"};

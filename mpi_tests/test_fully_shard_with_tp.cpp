@@ -98,6 +98,7 @@ struct ShardedTP {
     fsdp::FullyShardOptions o;
     o.mesh = mesh;
     o.shard_dim = "shard";
+    o.comm_fusion = false;  // test_tp_fsdp_collective_counts counts per parameter
     ref::TPSpec spec;
     spec.size = 2;
     spec.sequence_parallel = sp;

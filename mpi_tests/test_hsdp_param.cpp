@@ -50,6 +50,7 @@ std::string placements_str(const std::vector<fsdp::Placement>& ps) {
 void hsdp_vs_single_card(const std::vector<int64_t>& shape, const std::string& id) {
   fsdp::FullyShardOptions opts;
   opts.mesh = fsdp::init_device_mesh(spmd::device().type(), shape, {"replicate", "shard"});
+  opts.comm_fusion = false;  // the counts below are per parameter (unset fuses on CUDA)
   auto s = prec::shard_model(toy::Mlp(4), opts, opts);
   const int64_t rep = shape[0], shard = shape[1];
   int64_t n = 0;

@@ -43,6 +43,14 @@ constexpr int64_t kMlpParams = 6;     // fc1, fc2, fc3: weight + bias each
 // fc2's units gather in forward and again in backward, the root (fc3's two
 // parameters) once.
 constexpr int64_t kMlpGathersPerStep = 2 * kMlpParams - 2;
+// Options with comm_fusion off: one collective per parameter on the CPU and
+// on CUDA alike (left unset, units computing on CUDA fuse), for the cases
+// whose counts are per parameter (kMlpParams, kMlpGathersPerStep, ...).
+inline fsdp::FullyShardOptions per_param_options() {
+  fsdp::FullyShardOptions o;
+  o.comm_fusion = false;
+  return o;
+}
 
 using ModulePtr = std::shared_ptr<torch::nn::Module>;
 

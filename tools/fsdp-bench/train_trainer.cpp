@@ -81,7 +81,9 @@ fsdp::FullyShardOptions shard_options(const ConfigSpec& spec, const Options& o,
   fo.mesh = mesh;
   fo.shard_dim = "shard";
   fo.reshard_after_forward = spec.reshard_after_forward;
-  fo.comm_fusion = spec.comm_fusion;
+  // true forces it; otherwise the library's default for the device
+  // (unfused on the CPU, fused on CUDA: FullyShardOptions::comm_fusion).
+  if (spec.comm_fusion) fo.comm_fusion = true;
   if (spec.backward_prefetch == ConfigSpec::Backward::Implicit) {
     fo.implicit_backward_prefetch = true;
   }

@@ -1,6 +1,8 @@
 #include "config.h"
 
+#include <fsdp/float8.h>
 #include <fmt/format.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -259,8 +261,11 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                  "LibTorch sees a GPU, else cpu), cpu, or cuda (an error without a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
-  app.add_option("--mp", cfg.mp, "fp32, or bf16 (bf16 parameters/compute, fp32 gradient reduction)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  app.add_option("--mp", cfg.mp,
+                 "fp32; bf16 (bf16 parameters/compute, fp32 gradient reduction); or fp8 (as bf16, "
+                 "matrix weights all-gathered in float8 e4m3 with per-row scales: "
+                 "fsdp::float8_all_gather; needs LibTorch >= 2.1)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp8"}))
       ->capture_default_str();
   app.add_option("--reshard-after-forward", cfg.reshard_after_forward,
                  "free the gathered parameters after forward (true|false), or keep them sharded "
@@ -513,6 +518,16 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
     throw ConfigError(fmt::format("--verify-tol {}: must be a finite number > 0", cfg.verify_tol));
   }
   if (cfg.out.empty()) throw ConfigError("--out: empty path");
+  if (cfg.fp8() && !fsdp::float8_supported()) {
+    throw ConfigError(fmt::format("--mp fp8: this LibTorch ({}) has no float8 dtypes; use a "
+                                  "LibTorch 2.1 or later (ci/pip-torch.sh), or --mp bf16",
+                                  TORCH_VERSION));
+  }
+  if (cfg.fp8() && cfg.verify) {
+    throw ConfigError("--mp fp8 --verify: the single-card reference computes in bf16 and the "
+                      "float8 gather rounds the weights further by design; compare loss curves "
+                      "(docs/float8.md) instead");
+  }
 }
 
 nlohmann::json numerics_json(const TrainConfig& cfg, int64_t data_bytes, uint64_t data_hash) {

@@ -80,7 +80,9 @@ struct TrainConfig {
   std::vector<int64_t> mesh_shape;  // the data-parallel dims, without tp or pp
   int64_t dp_size = 1;  // data-parallel ranks (= world size / (tp pp))
 
-  bool bf16() const { return mp == "bf16"; }
+  // bf16 compute: --mp bf16, and --mp fp8 (float8 all-gather, bf16 compute).
+  bool bf16() const { return mp == "bf16" || mp == "fp8"; }
+  bool fp8() const { return mp == "fp8"; }
   bool deferred() const { return init == "deferred"; }
   bool hsdp() const { return mesh_shape.size() == 2; }
   bool pipelined() const { return pp > 1; }

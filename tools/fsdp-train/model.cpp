@@ -2,6 +2,7 @@
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/errors.h>
+#include <fsdp/float8.h>
 #include <fsdp/moe.h>
 #include <fsdp/tensor_parallel.h>
 #include <models/init.h>
@@ -85,6 +86,8 @@ fsdp::FullyShardOptions shard_options(const TrainConfig& cfg, const fsdp::Device
     options.mp_policy.param_dtype = at::kBFloat16;
     options.mp_policy.reduce_dtype = at::kFloat;
   }
+  // Matrix weights gather in float8, then compute in bf16 (docs/float8.md).
+  if (cfg.fp8()) options.all_gather_extension_fn = fsdp::float8_all_gather();
   return options;
 }
 

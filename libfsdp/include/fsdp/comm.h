@@ -16,7 +16,10 @@
 // NCCL's error string (rethrown by Work::wait()); ranks of a group issuing
 // different collectives -> CommError naming both calls when FSDP_DEBUG=detail
 // (otherwise they hang until the watchdog aborts the job: fsdp/runtime.h).
-// Supported dtypes: float32, float64, bfloat16, float16, int32, int64.
+// Supported dtypes: float32, float64, bfloat16, float16, int32, int64; and
+// uint8 for the collectives that only move data (all-gather, broadcast,
+// all-to-all, point-to-point: bytes of any kind, e.g. float8 viewed as
+// uint8); a reduction of uint8 is a DTypeError.
 //
 // CPU tensors: all-gather, reduce-scatter and all-reduce run Open MPI's
 // collectives or libfsdp's own algorithms over MPI point-to-point, chosen per

@@ -54,6 +54,10 @@
 #include <utility>
 #include <vector>
 
+namespace c10 {
+struct Event;
+}  // namespace c10
+
 namespace fsdp {
 
 struct UnitState;
@@ -116,6 +120,31 @@ class FSDPModule {
   // prefetching off for this unit.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  // false: the unit's pre-backward does not all-gather its parameters --
+  // for a unit whose backward needs none of their values (an embedding, a
+  // bias-only unit: their gradients depend on the inputs alone). Backward
+  // then sees full-shape parameters without storage; an op of the unit that
+  // does read them in backward (a Linear's weight) reads freed memory, as in
+  // FSDP2: only set it where that cannot happen. Gradients are reduced as
+  // usual. This unit only; default true.
+  void set_unshard_in_backward(bool unshard_in_backward);
+  // The next forward's all-gathers are ordered after `event` (a CUDA event
+  // the user recorded after an optimizer step run on another stream) by
+  // making the current stream wait on it at the root's pre-forward, once;
+  // the event is then dropped. On CPU units it is a no-op by design: CPU
+  // collectives are issued in program order, after the optimizer step has
+  // returned. Acts on this unit's root. ArgumentError naming "event" for a
+  // null event or one whose device type is not the unit's.
+  void set_post_optim_event(std::shared_ptr<c10::Event> event);
+  // A hook on the reduced gradients of this unit (comm_hooks.h: when it
+  // runs, what it sees); an empty function clears it. This unit only.
+  void set_all_reduce_hook(AllReduceHook hook);
+  // This unit's own all-gather / reduce-scatter (comm_hooks.h); std::nullopt
+  // restores the group's. ArgumentError naming "all_gather" /
+  // "reduce_scatter" for a struct without its collective function. This
+  // unit only; takes effect from its next unshard / reduction.
+  void set_custom_all_gather(std::optional<CustomAllGather> comm);
+  void set_custom_reduce_scatter(std::optional<CustomReduceScatter> comm);
 
   // All-gathers the parameters (returns at once with async_op=true; call
   // wait() before reading them). Idempotent.
@@ -217,6 +246,9 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module);
 
 namespace detail {
+// ArgumentError naming "method" for a null member pointer (Sharded<M>::call).
+void require_method(bool present);
+
 // The pieces of a unit's forward, used by Sharded<M>: begin_forward runs the
 // pre-forward (root logic, unshard, prefetch) and returns false when
 // `module` is not sharded; cast_input applies cast_forward_inputs;
@@ -278,6 +310,35 @@ class Sharded : public detail::HolderWrapper<M> {
   template <typename... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
+  }
+
+  // Runs another method of the module through the unit exactly as forward
+  // (FSDP2's register_fsdp_forward_method): pre-forward (unshard, prefetch,
+  // input casts), the method, then output casts, the pre-backward hook and
+  // reshard. For methods such as `generate` or `encode` that use the
+  // parameters without going through forward:
+  //   auto ids = model.call(&DecoderImpl::generate, prompt, 16);
+  // The method must belong to M's module type (a compile error otherwise)
+  // and return at::Tensor or std::vector<at::Tensor>; a null pointer ->
+  // ArgumentError naming "method". Nested units' forwards inside it unshard
+  // and reshard as usual.
+  template <typename Method, typename... Args>
+  auto call(Method method, Args&&... args) {
+    static_assert(std::is_member_function_pointer_v<Method>,
+                  "fsdp::Sharded<M>::call: pass a member function pointer, &Impl::method");
+    static_assert(std::is_invocable_v<Method, typename M::ContainedType&, Args...>,
+                  "fsdp::Sharded<M>::call: the method is not a member of M's module type, or "
+                  "does not accept these arguments");
+    detail::require_method(method != nullptr);
+    auto& impl = *this->holder_.ptr();
+    std::shared_ptr<UnitState> unit;
+    if (!detail::begin_forward(*this->holder_, unit)) {
+      return (impl.*method)(std::forward<Args>(args)...);
+    }
+    auto out = (impl.*method)(detail::cast_arg(unit, std::forward<Args>(args))...);
+    out = detail::finish(unit, std::move(out));
+    detail::end_forward(unit);
+    return out;
   }
 };
 

@@ -2,6 +2,7 @@
 // (the role of PyTorch's _fsdp_api.py). Nothing here communicates.
 #pragma once
 
+#include "fsdp/comm_hooks.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
 
@@ -180,8 +181,15 @@ struct FullyShardOptions {
   // dims) or of the mesh `mesh` was sliced from.
   std::vector<DistributedParam> dtensor_params;
   // One all-gather and one reduce-scatter per parameter group per pass over
-  // a flat buffer, instead of one per parameter.
-  bool comm_fusion = false;
+  // a flat buffer, instead of one per parameter. Unset: on for units that
+  // compute on CUDA (FSDP2's behaviour: NCCL launches cost more than the
+  // copies into one buffer), off on the CPU, where the measured step is no
+  // faster with it (docs/comm_hooks.md#defaults). Unset with parameters of
+  // several compute dtypes in one group: unfused; true: ArgumentError.
+  std::optional<bool> comm_fusion;
+  // Per-parameter transformed all-gathers (comm_hooks.h), e.g.
+  // fsdp::float8_all_gather(); empty = none.
+  AllGatherExtensionFn all_gather_extension_fn;
   // Backward prefetch of a unit whose set_modules_to_backward_prefetch was
   // never called: its pre-backward issues the all-gather of the unit that
   // ran forward just before it. Unset: on for units on CUDA, where the

@@ -23,6 +23,15 @@ inline std::string torch_version() {
 
 inline std::string dtype_name(c10::ScalarType t) { return c10::toString(t); }
 
+// float8_e4m3fn appeared in LibTorch 2.1 (fsdp/float8.h).
+#if (TORCH_VERSION_MAJOR > 2) || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+constexpr bool kHasFloat8 = true;
+inline c10::ScalarType float8_e4m3_dtype() { return c10::ScalarType::Float8_e4m3fn; }
+#else
+constexpr bool kHasFloat8 = false;
+inline c10::ScalarType float8_e4m3_dtype() { return c10::ScalarType::Undefined; }
+#endif
+
 inline void set_intra_op_threads(int n) { at::set_num_threads(n); }
 
 // Variable::set_data refuses data of another tensor type (meta -> CPU or

@@ -82,12 +82,13 @@ MPI_Datatype mpi_datatype(c10::ScalarType t, const char* argument) {
     case c10::kDouble: return MPI_DOUBLE;
     case c10::kInt: return MPI_INT32_T;
     case c10::kLong: return MPI_INT64_T;
+    case c10::kByte: return MPI_UINT8_T;
     case c10::kBFloat16:
     case c10::kHalf: return g_half_type;
     default:
       throw DTypeError(argument, std::string("'") + argument + "' has dtype " + c10::toString(t) +
                                      "; collectives accept float32, float64, bfloat16, float16, "
-                                     "int32, int64");
+                                     "int32, int64, uint8");
   }
 }
 

@@ -91,6 +91,7 @@ ncclDataType_t nccl_dtype(c10::ScalarType t) {
     case c10::kHalf: return ncclFloat16;
     case c10::kInt: return ncclInt32;
     case c10::kLong: return ncclInt64;
+    case c10::kByte: return ncclUint8;
     default:
       throw DTypeError("tensor", std::string("the NCCL backend does not support dtype ") +
                                      c10::toString(t));

@@ -69,12 +69,13 @@ void require_defined(const char* fn, const at::Tensor& t, const char* arg) {
 void require_dtype(const char* fn, const at::Tensor& t, const char* arg) {
   switch (t.scalar_type()) {
     case c10::kFloat: case c10::kDouble: case c10::kBFloat16:
-    case c10::kHalf: case c10::kInt: case c10::kLong:
+    case c10::kHalf: case c10::kInt: case c10::kLong: case c10::kByte:
       return;
     default:
       throw DTypeError(arg, std::string(fn) + ": '" + arg + "' has dtype " +
                                 c10::toString(t.scalar_type()) +
-                                "; accepted: float32, float64, bfloat16, float16, int32, int64");
+                                "; accepted: float32, float64, bfloat16, float16, int32, int64, "
+                                "uint8 (uint8: not for reductions)");
   }
 }
 
@@ -135,6 +136,11 @@ void check_reduce_op(const char* fn, ReduceOp op, const at::Tensor& t, const cha
     throw ArgumentError("op", std::string(fn) + ": 'op' = " +
                                   std::to_string(static_cast<int>(op)) +
                                   " is not a ReduceOp; accepted: SUM, AVG, MAX");
+  }
+  if (t.scalar_type() == c10::kByte) {
+    throw DTypeError(arg, std::string(fn) + ": '" + arg + "' has dtype uint8, which only moves "
+                              "(all-gather, broadcast, all-to-all, send/recv); reductions accept "
+                              "float32, float64, bfloat16, float16, int32, int64");
   }
   if (op == ReduceOp::AVG && !at::isFloatingType(t.scalar_type())) {
     throw DTypeError(arg, std::string(fn) + ": op avg needs a floating dtype but '" + arg +

@@ -7,9 +7,11 @@
 #include "fsdp/errors.h"
 #include "sharding/post_forward.h"
 #include "sharding/registry.h"
+#include "sharding/root_pass.h"
 #include "sharding/state.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include <algorithm>
 #include <cmath>
@@ -145,6 +147,86 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
   unit().settings.backward_prefetch = std::move(list);
   unit().settings.explicit_backward_prefetch = true;
 }
+
+void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
+  unit().settings.unshard_in_backward = unshard_in_backward;
+}
+
+void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
+  UnitState& u = unit();
+  if (!event) {
+    throw ArgumentError("event", "set_post_optim_event: 'event' is null; accepted: an event "
+                                 "recorded after the optimizer step");
+  }
+  const c10::DeviceType unit_type = u.computes_on_cuda ? c10::kCUDA : u.mesh.device_type();
+  if (event->device_type() != unit_type) {
+    throw ArgumentError("event", std::string("set_post_optim_event: 'event' is a ") +
+                                     c10::DeviceTypeName(event->device_type(), true) +
+                                     " event but unit " + u.error_label() + " computes on " +
+                                     c10::DeviceTypeName(unit_type, true) +
+                                     "; accepted: an event of the unit's device type");
+  }
+  // CPU: collectives are issued in program order, after the optimizer step
+  // returned -- nothing to wait for (fully_shard.h).
+  if (unit_type != c10::kCUDA) return;
+  u.root()->context().post_optim_event = std::move(event);
+}
+
+void FSDPModule::set_all_reduce_hook(AllReduceHook hook) {
+  auto shared = hook ? std::make_shared<const AllReduceHook>(std::move(hook)) : nullptr;
+  for (auto& g : unit().groups) g.set_all_reduce_hook(shared);
+}
+
+namespace {
+// Custom collectives replace the buffers the unit gathers into: only
+// between unshards.
+void require_resharded(UnitState& u, const char* fn) {
+  for (const auto& g : u.groups) {
+    if (g.unsharded() || g.gather_in_flight()) {
+      throw StateError(std::string(fn) + ": unit " + u.error_label() +
+                       " is unsharded (or its all-gather is in flight); call it between steps, "
+                       "or after reshard()");
+    }
+  }
+}
+}  // namespace
+
+void FSDPModule::set_custom_all_gather(std::optional<CustomAllGather> comm) {
+  UnitState& u = unit();
+  if (comm && !comm->all_gather) {
+    throw ArgumentError("all_gather", "set_custom_all_gather: 'all_gather' is empty; accepted: "
+                                      "a function running the all-gather (allocate may be empty)");
+  }
+  require_resharded(u, "set_custom_all_gather");
+  auto shared = comm ? std::make_shared<const CustomAllGather>(std::move(*comm)) : nullptr;
+  for (auto& g : u.groups) g.set_custom_all_gather(shared);
+}
+
+void FSDPModule::set_custom_reduce_scatter(std::optional<CustomReduceScatter> comm) {
+  UnitState& u = unit();
+  if (comm && !comm->reduce_scatter) {
+    throw ArgumentError("reduce_scatter", "set_custom_reduce_scatter: 'reduce_scatter' is empty; "
+                                          "accepted: a function running the reduce-scatter "
+                                          "(allocate may be empty)");
+  }
+  for (const auto& g : u.groups) {
+    if (g.reduce_pending()) {
+      throw StateError("set_custom_reduce_scatter: unit " + u.error_label() +
+                       " has a reduction in flight; call it between steps");
+    }
+  }
+  auto shared = comm ? std::make_shared<const CustomReduceScatter>(std::move(*comm)) : nullptr;
+  for (auto& g : u.groups) g.set_custom_reduce_scatter(shared);
+}
+
+namespace detail {
+void require_method(bool present) {
+  if (!present) {
+    throw ArgumentError("method", "Sharded<M>::call: 'method' is a null member function "
+                                  "pointer; accepted: &Impl::method of the module's type");
+  }
+}
+}  // namespace detail
 
 UnshardHandle FSDPModule::unshard(bool async_op) {
   unit().unshard(async_op);

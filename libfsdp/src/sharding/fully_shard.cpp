@@ -189,17 +189,25 @@ std::shared_ptr<UnitState> shard_unit(
     const c10::Device device = p.param.is_meta() ? detail::mesh_device(mesh) : p.param.device();
     params[p.group].emplace_back(p.name, p.param, std::move(p.layout), p.dtypes, device, offload,
                                  pin);
+    if (p.extension) params[p.group].back().set_extension(p.extension);
   }
   std::vector<detail::ParamGroup> groups;
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     groups.emplace_back(std::move(params[g]), plan.groups[g].shard, plan.groups[g].replicate,
-                        plan.groups[g].divide_factor, options.comm_fusion);
+                        plan.groups[g].divide_factor, plan.groups[g].fused);
   }
   std::vector<size_t> next_in_group(plan.groups.size(), 0);
   auto unit = std::make_shared<UnitState>(detail::next_unit_id(), modules, mesh, std::move(groups),
                                           options);
   for (const auto& p : plan.params) {
     unit->param_order.emplace_back(p.group, next_in_group[p.group]++);
+  }
+  std::weak_ptr<UnitState> weak = unit;
+  for (auto& g : unit->groups) {
+    g.set_owner_label([weak] {
+      auto u = weak.lock();
+      return u ? u->error_label() : std::string("(destroyed)");
+    });
   }
   return unit;
 }

@@ -108,11 +108,50 @@ ShardedParam::ShardedParam(std::string name, at::Tensor param, ParamLayout layou
     block_numel_ = full.numel();
   }
   local_ = owned(padded_);
-  full_is_shard_ = (!layout_.fsdp.is_shard() || shard_size_ == 1) &&
-                   param_dtype_ == orig_dtype_ && padded_.device() == compute_device_;
+  full_is_shard_ = full_is_shard_now();
   if (full_is_shard_) full_ = local_;
   param_.mutable_grad() = at::Tensor();  // a full-shape gradient has no place on a shard
   to_sharded();
+}
+
+bool ShardedParam::full_is_shard_now() const {
+  // An extension's full tensor is its post_all_gather's, never the shard.
+  return (!layout_.fsdp.is_shard() || shard_size_ == 1) && param_dtype_ == orig_dtype_ &&
+         padded_.device() == compute_device_ && !extension_;
+}
+
+void ShardedParam::set_extension(std::shared_ptr<const AllGatherExtension> extension) {
+  extension_ = std::move(extension);
+  full_is_shard_ = full_is_shard_now();
+  if (!full_is_shard_ && full_.defined() && !unsharded_buf_.defined()) full_ = at::Tensor();
+}
+
+at::Tensor ShardedParam::shard_2d() const {
+  check_materialized("all-gathered");
+  return padded_.to(compute_device_).view({chunk_, -1});
+}
+
+void ShardedParam::install_full(const at::Tensor& full_padded) {
+  all_gather_output().copy_(full_padded.reshape({-1}));
+}
+
+void ShardedParam::drop_full_buffer() {
+  if (unsharded_ || full_is_shard_) return;
+  unsharded_buf_ = at::Tensor();
+  full_ = at::Tensor();
+}
+
+void ShardedParam::to_value_free_full() {
+  if (unsharded_) return;
+  if (param_.grad().defined()) {
+    stashed_grad_ = param_.grad();
+    param_.mutable_grad() = at::Tensor();
+  }
+  // AccumulateGrad checks a gradient's shape, dtype and device against the
+  // variable's; a stride-0 tensor has them with one element of memory (and,
+  // not being dense, lets autograd keep the contiguous gradient it made).
+  const auto options = at::TensorOptions().dtype(param_dtype_).device(compute_device_);
+  param_.set_data(at::zeros({1}, options).expand(full_shape_));
 }
 
 at::TensorOptions ShardedParam::storage_options() const {
@@ -136,8 +175,7 @@ void ShardedParam::materialize() {
   padded_ = at::zeros(padded_.sizes(), storage_options());
   local_ = owned(padded_);
   deferred_ = false;
-  full_is_shard_ = (!layout_.fsdp.is_shard() || shard_size_ == 1) &&
-                   param_dtype_ == orig_dtype_ && padded_.device() == compute_device_;
+  full_is_shard_ = full_is_shard_now();
   full_ = full_is_shard_ ? local_ : at::Tensor();
   compat::rebind_meta_variable(param_, local_);
   to_sharded();
@@ -167,7 +205,8 @@ void ShardedParam::copy_in(const at::Tensor& dst) {
   if (upload) host_copies_.record(compute_device_, at::Tensor());
 }
 
-at::Tensor ShardedParam::all_gather_output() {
+at::Tensor ShardedParam::all_gather_output(
+    const std::function<at::Tensor(int64_t, const at::TensorOptions&)>* allocate) {
   const int64_t numel = block_numel_ * (layout_.fsdp.is_shard() ? shard_size_ : 1);
   const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(param_dtype_);
   if (!unsharded_buf_.defined()) {
@@ -178,9 +217,13 @@ at::Tensor ShardedParam::all_gather_output() {
     // straight out of it. Released and regrown there on every reshard.
     const at::TensorOptions options =
         padded_.options().dtype(param_dtype_).device(compute_device_).pinned_memory(false);
-    unsharded_buf_ = layout_.fsdp.is_shard() && layout_.shard_group != nullptr
-                         ? layout_.shard_group->empty_for_collectives(shape, options)
-                         : at::empty(shape, options);
+    if (allocate != nullptr && *allocate) {
+      unsharded_buf_ = (*allocate)(numel, options).view(shape);
+    } else {
+      unsharded_buf_ = layout_.fsdp.is_shard() && layout_.shard_group != nullptr
+                           ? layout_.shard_group->empty_for_collectives(shape, options)
+                           : at::empty(shape, options);
+    }
     full_ = layout_.fsdp.is_shard()
                 ? unsharded_buf_.narrow(0, 0, moved_shape_[0]).movedim(0, dim_)
                 : unsharded_buf_;

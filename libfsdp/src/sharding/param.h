@@ -3,6 +3,7 @@
 #pragma once
 
 #include "fsdp/comm.h"
+#include "fsdp/comm_hooks.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"
 #include "base/torch_compat.h"
@@ -87,7 +88,11 @@ class ShardedParam {
   // pinned shard a non-blocking upload (see wait_host_copies).
   void copy_in(const at::Tensor& dst);
   // The all-gather output buffer [shard_size * block] (regrown in place).
-  at::Tensor all_gather_output();
+  // `allocate` (a custom all-gather's) makes it the first time, if given.
+  at::Tensor all_gather_output(
+      const std::function<at::Tensor(int64_t, const at::TensorOptions&)>* allocate = nullptr);
+  // Forgets the full buffer (sharded only): the next unshard allocates anew.
+  void drop_full_buffer();
   // The full (padded) buffer as a flat view while unsharded, rank-major in
   // blocks of padded_block_numel(); undefined before the first unshard.
   at::Tensor unsharded_flat() const {
@@ -98,6 +103,23 @@ class ShardedParam {
   void to_unsharded();
   // Points the parameter back at its local shard and frees the full buffer.
   void to_sharded();
+  // set_unshard_in_backward(false): points the parameter at a full-shape,
+  // compute-dtype tensor of one element (stride 0) -- what autograd checks a
+  // full gradient against -- without gathering values. to_sharded() undoes it.
+  void to_value_free_full();
+
+  // ---- all-gather extension (comm_hooks.h) ----
+  // Set before the parameter's group is built (Shard placements only).
+  void set_extension(std::shared_ptr<const AllGatherExtension> extension);
+  const std::shared_ptr<const AllGatherExtension>& extension() const { return extension_; }
+  // pre_all_gather's input: the padded shard as [rows, cols], in the
+  // parameter's own dtype on the compute device.
+  at::Tensor shard_2d() const;
+  // Fills the full buffer from post_all_gather's result (checked by the caller).
+  void install_full(const at::Tensor& full_padded);
+  // The full buffer's row count and column count ([rows, cols] of install_full).
+  int64_t full_rows() const { return chunk_ * shard_size_; }
+  int64_t full_cols() const { return chunk_ == 0 ? 0 : block_numel_ / chunk_; }
   bool unsharded() const { return unsharded_; }
 
   // ---- gradients ----
@@ -211,6 +233,8 @@ class ShardedParam {
   bool offload_ = false, pin_memory_ = false;
 
   at::TensorOptions storage_options() const;
+  bool full_is_shard_now() const;
+  std::shared_ptr<const AllGatherExtension> extension_;
 
   compat::NodePtr hooked_accumulator_;  // strong: the param holds it weakly
   at::Tensor pass_grad_;         // this pass's full gradient, reduce dtype

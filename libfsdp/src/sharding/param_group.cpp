@@ -2,6 +2,7 @@
 // The rule: docs/architecture.md#collective-order.
 #include "sharding/param_group.h"
 
+#include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "comm/group_registry.h"
 #include "sharding/memory_guard.h"
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <deque>
 #include <mutex>
+#include <sstream>
 
 namespace fsdp::detail {
 namespace {
@@ -36,6 +38,48 @@ struct AllReduceQueue {
 AllReduceQueue& all_reduce_queue() {
   static auto* q = new AllReduceQueue;
   return *q;
+}
+
+using Allocate = std::function<at::Tensor(int64_t, const at::TensorOptions&)>;
+
+std::string shape_of(at::IntArrayRef sizes) {
+  std::ostringstream o;
+  o << sizes;
+  return o.str();
+}
+
+// A custom collective's allocate, held to what was asked for.
+at::Tensor checked_allocation(const Allocate& allocate, int64_t numel,
+                              const at::TensorOptions& options, const std::string& who) {
+  at::Tensor t = allocate(numel, options);
+  if (!t.defined() || t.numel() != numel) {
+    throw ShapeError("allocate", who + ": 'allocate' returned " +
+                                     (t.defined() ? "a tensor of shape " + shape_of(t.sizes())
+                                                  : std::string("an undefined tensor")) +
+                                     " for " + std::to_string(numel) + " elements; accepted: " +
+                                     std::to_string(numel) + " elements");
+  }
+  const c10::ScalarType want = options.dtype().toScalarType();
+  if (t.scalar_type() != want) {
+    throw DTypeError("allocate", who + ": 'allocate' returned dtype " +
+                                     c10::toString(t.scalar_type()) + " for a request of " +
+                                     c10::toString(want) + "; accepted: the requested dtype");
+  }
+  if (t.device() != options.device() || !t.is_contiguous()) {
+    throw LayoutError("allocate", who + ": 'allocate' returned a " +
+                                      (t.is_contiguous() ? "" : "non-contiguous ") +
+                                      "tensor on " + t.device().str() + " for a request on " +
+                                      options.device().str() +
+                                      "; accepted: a contiguous tensor on the requested device");
+  }
+  return t;
+}
+
+int64_t align8(int64_t n) { return (n + 7) / 8 * 8; }
+
+// A tensor's bytes as a flat uint8 tensor (a view where it is contiguous).
+at::Tensor as_bytes(const at::Tensor& t) {
+  return t.contiguous().view({-1}).view(at::kByte);
 }
 
 // Bytes of the full (gathered) buffers of `params`' Shard placements: what
@@ -89,12 +133,14 @@ ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_g
       fused_(fused) {
   for (const auto& p : params_) {
     fused_offsets_.push_back(fused_block_numel_);
-    if (!p.is_sharded_placement()) continue;
+    // Extended parameters travel in their own byte all-gather.
+    if (!p.is_sharded_placement() || p.extension()) continue;
     if (fused_block_numel_ == 0) {
       fused_gather_options_ = at::TensorOptions(p.compute_dtype()).device(p.compute_device());
     }
     fused_block_numel_ += p.padded_block_numel();
   }
+  ext_outputs_.resize(params_.size());
   partial_sums_.resize(params_.size());
   partial_presence_.resize(params_.size());
   base_grads_.resize(params_.size());
@@ -143,8 +189,8 @@ size_t ParamGroup::fused_gather_buffer(int64_t ws) {
   const size_t nbytes = static_cast<size_t>(fused_block_numel_ * ws) *
                         c10::elementSize(fused_gather_options_.dtype().toScalarType());
   if (!fused_gather_out_.defined()) {
-    fused_gather_out_ =
-        shard_group_->empty_for_collectives({fused_block_numel_ * ws}, fused_gather_options_);
+    fused_gather_out_ = collective_buffer(custom_all_gather_.get(), nullptr, shard_group_,
+                                          {fused_block_numel_ * ws}, fused_gather_options_);
   } else {
     compat::restore_storage(fused_gather_out_, nbytes);
   }
@@ -156,6 +202,28 @@ void ParamGroup::issue_unshard() {
   // Before anything changes: a deferred shard has no values to gather.
   for (const auto& p : params_) p.check_materialized("unsharded");
   gather_issued_ = true;
+  try {
+    issue_gathers();
+  } catch (...) {
+    // A hook or a custom allocate failed (alike on every rank: they see the
+    // same shapes). What was issued completes; the group stays sharded, so
+    // the unit can be controlled (set_custom_all_gather) before the next pass.
+    for (auto& w : gather_works_) {
+      try {
+        w->wait();
+      } catch (const std::exception&) {
+        // The first error is the one to report.
+      }
+    }
+    gather_works_.clear();
+    gather_issued_ = false;
+    ext_gather_out_ = at::Tensor();
+    ext_gather_issued_ = false;
+    throw;
+  }
+}
+
+void ParamGroup::issue_gathers() {
   if (holds_post_forward_shards()) {
     issue_post_forward_unshard();
     return;
@@ -164,9 +232,10 @@ void ParamGroup::issue_unshard() {
   if (ws == 1) {  // nothing to gather, fused or not: a cast or an upload at most
     oom_guard("unshard", gathered_bytes(params_, 1), [&] {
       for (auto& p : params_) {
-        if (p.is_sharded_placement()) p.unshard_locally();
+        if (p.is_sharded_placement() && !p.extension()) p.unshard_locally();
       }
     });
+    unshard_extensions_locally();
     return;
   }
   trace::Span span("all-gather issue", "fsdp");
@@ -176,6 +245,12 @@ void ParamGroup::issue_unshard() {
   // this rank's block of the output, so the collective copies nothing of its
   // own and no separate input buffer exists.
   const int64_t me = shard_group_->rank();
+  if (ext_recorded_ || std::any_of(params_.begin(), params_.end(), [](const ShardedParam& p) {
+        return p.extension() != nullptr;
+      })) {
+    issue_extension_gather(ws, me);
+    traced_bytes += static_cast<int64_t>(ext_gather_out_.nbytes());
+  }
   if (fused_ && fused_block_numel_ > 0) {
     const int64_t want = fused_block_numel_ * ws *
                          static_cast<int64_t>(fused_gather_options_.dtype().itemsize());
@@ -183,27 +258,233 @@ void ParamGroup::issue_unshard() {
     const at::Tensor mine = fused_gather_out_.narrow(0, me * fused_block_numel_, fused_block_numel_);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
-      if (!p.is_sharded_placement()) continue;
+      if (!p.is_sharded_placement() || extended(i)) continue;
       p.copy_in(mine.narrow(0, fused_offsets_[i], p.padded_block_numel()));
     }
     hint_bytes(fused_gather_out_);
-    gather_works_.push_back(
-        shard_group_->all_gather_into_tensor(fused_gather_out_, mine, /*async_op=*/true));
-    span.arg("bytes", static_cast<int64_t>(nbytes));
+    if (auto w = all_gather(shard_group_, fused_gather_out_, mine)) gather_works_.push_back(w);
+    span.arg("bytes", traced_bytes + static_cast<int64_t>(nbytes));
     return;
   }
   const int64_t want = gathered_bytes(params_, ws);
-  for (auto& p : params_) {
-    if (!p.is_sharded_placement()) continue;
-    at::Tensor out = oom_guard("all-gather", want, [&] { return p.all_gather_output(); });
+  Allocate custom;
+  if (custom_all_gather_ && custom_all_gather_->allocate) {
+    custom = [this](int64_t n, const at::TensorOptions& o) {
+      return checked_allocation(custom_all_gather_->allocate, n, o,
+                                "custom all-gather of unit " + owner());
+    };
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (!p.is_sharded_placement() || extended(i)) continue;
+    at::Tensor out = oom_guard("all-gather", want,
+                               [&] { return p.all_gather_output(custom ? &custom : nullptr); });
     const int64_t block = p.padded_block_numel();
     at::Tensor mine = out.narrow(0, me * block, block);
     p.copy_in(mine);
     traced_bytes += static_cast<int64_t>(out.nbytes());
     hint_bytes(out);
-    gather_works_.push_back(shard_group_->all_gather_into_tensor(out, mine, /*async_op=*/true));
+    if (auto w = all_gather(shard_group_, out, mine)) gather_works_.push_back(w);
   }
   span.arg("bytes", traced_bytes);
+}
+
+WorkPtr ParamGroup::all_gather(const ProcessGroupPtr& group, at::Tensor out, const at::Tensor& in) {
+  if (custom_all_gather_) return custom_all_gather_->all_gather(std::move(out), in, *group);
+  return group->all_gather_into_tensor(std::move(out), in, /*async_op=*/true);
+}
+
+WorkPtr ParamGroup::reduce_scatter(at::Tensor out, const at::Tensor& in) {
+  if (custom_reduce_scatter_) {
+    return custom_reduce_scatter_->reduce_scatter(std::move(out), in, ReduceOp::SUM,
+                                                  *scatter_group_);
+  }
+  return scatter_group_->reduce_scatter_tensor(std::move(out), in, ReduceOp::SUM,
+                                               /*async_op=*/true);
+}
+
+at::Tensor ParamGroup::collective_buffer(const CustomAllGather* ag, const CustomReduceScatter* rs,
+                                         const ProcessGroupPtr& group, at::IntArrayRef shape,
+                                         const at::TensorOptions& options) {
+  const Allocate* allocate = ag != nullptr ? &ag->allocate : rs != nullptr ? &rs->allocate : nullptr;
+  if (allocate == nullptr || !*allocate) return group->empty_for_collectives(shape, options);
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const std::string who = std::string(ag != nullptr ? "custom all-gather" : "custom reduce-scatter") +
+                          " of unit " + owner();
+  return checked_allocation(*allocate, numel, options, who).view(shape);
+}
+
+std::vector<std::vector<at::Tensor>> ParamGroup::run_pre_all_gathers() {
+  std::vector<std::vector<at::Tensor>> all(params_.size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!extended(i)) continue;
+    auto& p = params_[i];
+    const std::string who =
+        "all-gather extension of '" + p.name() + "' (unit " + owner() + ")";
+    std::vector<at::Tensor> outs = p.extension()->pre_all_gather(p.shard_2d());
+    if (outs.empty()) {
+      throw ArgumentError("pre_all_gather", who + ": 'pre_all_gather' returned no tensors; "
+                                                  "accepted: one or more tensors to gather");
+    }
+    auto& spec = ext_outputs_[i];
+    if (ext_recorded_ && spec.size() != outs.size()) {
+      throw ShapeError("pre_all_gather", who + ": 'pre_all_gather' returned " +
+                                             std::to_string(outs.size()) +
+                                             " tensors; its first call returned " +
+                                             std::to_string(spec.size()));
+    }
+    for (size_t k = 0; k < outs.size(); ++k) {
+      const at::Tensor& t = outs[k];
+      const std::string which = "output " + std::to_string(k);
+      if (!t.defined()) {
+        throw ArgumentError("pre_all_gather",
+                            who + ": 'pre_all_gather' " + which + " is an undefined tensor");
+      }
+      if (t.device() != p.compute_device()) {
+        throw LayoutError("pre_all_gather", who + ": 'pre_all_gather' " + which + " is on " +
+                                                t.device().str() + "; accepted: the compute "
+                                                "device " + p.compute_device().str());
+      }
+      if (!ext_recorded_) {
+        offset = align8(offset);
+        const auto nbytes = static_cast<int64_t>(t.nbytes());
+        spec.push_back({t.sizes().vec(), t.scalar_type(), offset, nbytes});
+        offset += nbytes;
+        continue;
+      }
+      if (t.scalar_type() != spec[k].dtype) {
+        throw DTypeError("pre_all_gather", who + ": 'pre_all_gather' " + which + " has dtype " +
+                                               c10::toString(t.scalar_type()) +
+                                               "; its first call returned " +
+                                               c10::toString(spec[k].dtype) +
+                                               " (every call, on every rank, must match)");
+      }
+      if (t.sizes().vec() != spec[k].shape) {
+        throw ShapeError("pre_all_gather", who + ": 'pre_all_gather' " + which + " has shape " +
+                                               shape_of(t.sizes()) + "; its first call returned " +
+                                               shape_of(spec[k].shape) +
+                                               " (every call, on every rank, must match)");
+      }
+    }
+    all[i] = std::move(outs);
+  }
+  if (!ext_recorded_) {
+    ext_block_bytes_ = align8(offset);
+    ext_recorded_ = true;
+  }
+  return all;
+}
+
+void ParamGroup::run_post_all_gather(size_t i, const std::vector<at::Tensor>& gathered,
+                                     int64_t ws) {
+  auto& p = params_[i];
+  const std::string who = "all-gather extension of '" + p.name() + "' (unit " + owner() + ")";
+  at::Tensor full = p.extension()->post_all_gather(gathered, p.compute_dtype());
+  const int64_t rows = p.full_rows();
+  const int64_t cols = p.full_cols();
+  if (!full.defined() || full.numel() != rows * cols) {
+    throw ShapeError("post_all_gather",
+                     who + ": 'post_all_gather' returned " +
+                         (full.defined() ? "shape " + shape_of(full.sizes())
+                                         : std::string("an undefined tensor")) +
+                         "; accepted: [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                         "] (" + std::to_string(ws) + " ranks x " +
+                         std::to_string(rows / std::max<int64_t>(ws, 1)) + " rows)");
+  }
+  if (full.scalar_type() != p.compute_dtype()) {
+    throw DTypeError("post_all_gather", who + ": 'post_all_gather' returned dtype " +
+                                            c10::toString(full.scalar_type()) +
+                                            "; accepted: the compute dtype " +
+                                            c10::toString(p.compute_dtype()));
+  }
+  if (full.device() != p.compute_device()) {
+    throw LayoutError("post_all_gather", who + ": 'post_all_gather' returned a tensor on " +
+                                             full.device().str() + "; accepted: " +
+                                             p.compute_device().str());
+  }
+  const int64_t bytes =
+      rows * cols * static_cast<int64_t>(c10::elementSize(p.compute_dtype()));
+  oom_guard("unshard", bytes, [&] { p.install_full(full); });
+}
+
+void ParamGroup::issue_extension_gather(int64_t ws, int64_t me) {
+  std::vector<std::vector<at::Tensor>> outs = run_pre_all_gathers();
+  c10::Device device = c10::kCPU;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (extended(i)) device = params_[i].compute_device();
+  }
+  const auto options = at::TensorOptions(at::kByte).device(device);
+  ext_gather_out_ = oom_guard("all-gather", ws * ext_block_bytes_, [&] {
+    return collective_buffer(custom_all_gather_.get(), nullptr, shard_group_,
+                             {ws * ext_block_bytes_}, options);
+  });
+  const at::Tensor mine = ext_gather_out_.narrow(0, me * ext_block_bytes_, ext_block_bytes_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (size_t k = 0; k < outs[i].size(); ++k) {
+      const ExtensionOutput& spec = ext_outputs_[i][k];
+      mine.narrow(0, spec.offset, spec.nbytes).copy_(as_bytes(outs[i][k]));
+    }
+  }
+  hint_bytes(ext_gather_out_);
+  if (auto w = all_gather(shard_group_, ext_gather_out_, mine)) gather_works_.push_back(w);
+  ext_gather_issued_ = true;
+}
+
+void ParamGroup::finish_extension_gather(int64_t ws) {
+  const at::Tensor rows = ext_gather_out_.view({ws, ext_block_bytes_});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!extended(i)) continue;
+    std::vector<at::Tensor> gathered;
+    for (const ExtensionOutput& spec : ext_outputs_[i]) {
+      const at::Tensor bytes = rows.narrow(1, spec.offset, spec.nbytes).contiguous();
+      std::vector<int64_t> shape = spec.shape;
+      if (shape.empty()) {
+        shape = {ws};
+      } else {
+        shape[0] *= ws;
+      }
+      gathered.push_back(bytes.view({-1}).view(spec.dtype).view(shape));
+    }
+    run_post_all_gather(i, gathered, ws);
+  }
+  ext_gather_out_ = at::Tensor();
+  ext_gather_issued_ = false;
+}
+
+void ParamGroup::unshard_extensions_locally() {
+  std::vector<std::vector<at::Tensor>> outs = run_pre_all_gathers();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!extended(i)) continue;
+    std::vector<at::Tensor> gathered;
+    for (const at::Tensor& t : outs[i]) {
+      gathered.push_back(t.dim() == 0 ? t.reshape({1}) : t.contiguous());
+    }
+    run_post_all_gather(i, gathered, 1);
+  }
+}
+
+void ParamGroup::expose_without_values() {
+  if (unsharded_) return;
+  // A prefetch already gathered them: use what is there.
+  if (gather_issued_) {
+    finish_unshard();
+    return;
+  }
+  post_forward_pieces_.clear();
+  for (auto& p : params_) p.to_value_free_full();
+}
+
+void ParamGroup::set_custom_all_gather(std::shared_ptr<const CustomAllGather> comm) {
+  custom_all_gather_ = std::move(comm);
+  // The buffers the old collective allocated are not the new one's.
+  fused_gather_out_ = at::Tensor();
+  for (auto& p : params_) p.drop_full_buffer();
+}
+
+void ParamGroup::set_custom_reduce_scatter(std::shared_ptr<const CustomReduceScatter> comm) {
+  custom_reduce_scatter_ = std::move(comm);
 }
 
 void ParamGroup::finish_unshard() {
@@ -218,12 +499,13 @@ void ParamGroup::finish_unshard() {
   gather_works_.clear();
   gather_issued_ = false;
   const int64_t ws = shard_group_->size();
+  if (ext_gather_issued_) finish_extension_gather(ws);
   if (fused_ && fused_block_numel_ > 0 && ws > 1) {
     const at::Tensor gathered = fused_gather_out_.view({ws, fused_block_numel_});
     const int64_t want = gathered_bytes(params_, ws);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
-      if (!p.is_sharded_placement()) continue;
+      if (!p.is_sharded_placement() || extended(i)) continue;
       oom_guard("unshard", want, [&] { return p.all_gather_output(); })
           .view({ws, p.padded_block_numel()})
           .copy_(gathered.narrow(1, fused_offsets_[i], p.padded_block_numel()));
@@ -292,31 +574,33 @@ void ParamGroup::issue_post_forward_unshard() {
     const at::Tensor rows = fused_gather_out_.view({ws, fused_block_numel_}).narrow(0, j * per, per);
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
-      if (!p.is_sharded_placement()) continue;
+      if (!p.is_sharded_placement() || extended(i)) continue;
       rows.narrow(1, fused_offsets_[i], p.padded_block_numel())
           .copy_(post_forward_pieces_[i].view({per, p.padded_block_numel()}));
     }
     const at::Tensor mine =
         fused_gather_out_.narrow(0, j * per * fused_block_numel_, per * fused_block_numel_);
     hint_bytes(fused_gather_out_);
-    gather_works_.push_back(pf->all_gather_into_tensor(fused_gather_out_, mine, /*async_op=*/true));
+    if (auto w = all_gather(pf, fused_gather_out_, mine)) gather_works_.push_back(w);
     span.arg("bytes", static_cast<int64_t>(nbytes));
-    return;
   }
+  // Unfused, every Shard parameter; fused, the extended ones (their pieces
+  // are post_all_gather's values, in the compute dtype).
   int64_t traced_bytes = 0;
   const int64_t want = gathered_bytes(params_, ws);
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     if (!p.is_sharded_placement()) continue;
+    if (fused_ && fused_block_numel_ > 0 && !extended(i)) continue;
     at::Tensor out = oom_guard("all-gather", want, [&] { return p.all_gather_output(); });
     const int64_t n = per * p.padded_block_numel();
     at::Tensor mine = out.narrow(0, j * n, n);
     mine.copy_(post_forward_pieces_[i]);
     traced_bytes += static_cast<int64_t>(out.nbytes());
     hint_bytes(out);
-    gather_works_.push_back(pf->all_gather_into_tensor(out, mine, /*async_op=*/true));
+    if (auto w = all_gather(pf, out, mine)) gather_works_.push_back(w);
   }
-  span.arg("bytes", traced_bytes);
+  if (traced_bytes > 0) span.arg("bytes", traced_bytes);
 }
 
 void ParamGroup::reshard() {
@@ -327,6 +611,8 @@ void ParamGroup::reshard() {
     compat::release_storage(fused_gather_out_);
   }
   gather_issued_ = false;
+  ext_gather_out_ = at::Tensor();
+  ext_gather_issued_ = false;
   post_forward_pieces_.clear();
   for (auto& p : params_) p.to_sharded();
   unsharded_ = false;
@@ -353,6 +639,7 @@ void ParamGroup::prepare_reduce(const ReduceSettings& settings) {
 void ParamGroup::prepare_reduce_buffers(const ReduceSettings& settings) {
   if (stage_ != Stage::None) finish_reduce();
   entries_.clear();
+  fused_grad_view_ = at::Tensor();
   scatter_inputs_.clear();
   all_reduce_bufs_.clear();
   std::vector<size_t> sharded, replicated;
@@ -402,8 +689,8 @@ void ParamGroup::prepare_reduce_buffers(const ReduceSettings& settings) {
     const int64_t flags = static_cast<int64_t>(sharded.size());
     // In the reduction group's shared memory where it has some: the shm
     // reduce-scatter then reads it in place instead of copying it first.
-    at::Tensor input =
-        scatter_group_->empty_for_collectives({ws, total + flags}, options_of(params_[sharded[0]]));
+    at::Tensor input = collective_buffer(nullptr, custom_reduce_scatter_.get(), scatter_group_,
+                                         {ws, total + flags}, options_of(params_[sharded[0]]));
     at::Tensor out = at::empty({total + flags}, input.options());
     const double pre = pre_divide_factor(input.scalar_type(), settings_, divide());
     int64_t offset = 0;
@@ -421,12 +708,14 @@ void ParamGroup::prepare_reduce_buffers(const ReduceSettings& settings) {
     scatter_inputs_.push_back(input);
     scatter_inputs_.push_back(out);
     all_reduce_bufs_.push_back(out);
+    fused_grad_view_ = out.narrow(0, 0, total);
     return;
   }
   for (size_t i : sharded) {
     auto& p = params_[i];
     const int64_t n = p.padded_block_numel();
-    at::Tensor input = scatter_group_->empty_for_collectives({ws, n + 1}, options_of(p));
+    at::Tensor input = collective_buffer(nullptr, custom_reduce_scatter_.get(), scatter_group_,
+                                         {ws, n + 1}, options_of(p));
     const double pre = pre_of(p);
     p.write_reduce_input(input.narrow(1, 0, n));
     if (pre != 1) input.narrow(1, 0, n).div_(pre);
@@ -468,8 +757,7 @@ void ParamGroup::issue_reduce() {
       out.copy_(in.view({-1}));
     } else {
       hint_bytes(in);
-      scatter_works_.push_back(
-          scatter_group_->reduce_scatter_tensor(out, in.view({-1}), ReduceOp::SUM, true));
+      if (auto w = reduce_scatter(out, in.view({-1}))) scatter_works_.push_back(w);
     }
     k += 2;
   }
@@ -528,6 +816,7 @@ void ParamGroup::finish_reduce() {
   // back) rather than a blocking copy each.
   wait_host_copies();
   entries_.clear();
+  fused_grad_view_ = at::Tensor();
   local_grads_.clear();
   scatter_inputs_.clear();
   all_reduce_bufs_.clear();
@@ -565,6 +854,7 @@ void ParamGroup::drop_reduce() {
     works->clear();
   }
   entries_.clear();
+  fused_grad_view_ = at::Tensor();
   local_grads_.clear();
   scatter_inputs_.clear();
   all_reduce_bufs_.clear();
@@ -579,8 +869,20 @@ void ParamGroup::install() {
   const double full_scale = (s.average ? 1.0 / divide : 1.0) * extra;
   // Replica-local mean while the replicate all-reduce is skipped.
   const double shard_scale = (s.average ? replicate_size / divide : 1.0) * extra;
+  // The all-reduce hook sees what is installed: scaled first, then
+  // installed as it left it. Not while HSDP keeps sums back (comm_hooks.h).
+  const AllReduceHook* hook =
+      all_reduce_hook_ && *all_reduce_hook_ && !(hsdp() && !s.all_reduce) ? all_reduce_hook_.get()
+                                                                           : nullptr;
   for (auto& [param, grad] : local_grads_) {
-    if (grad.defined()) params_[param].add_local_grad(grad, full_scale, s.fp32_main_grad);
+    if (!grad.defined()) continue;
+    if (hook != nullptr) {
+      at::Tensor scaled = grad * full_scale;
+      (*hook)(scaled.view({-1}));
+      params_[param].add_local_grad(scaled, 1.0, s.fp32_main_grad);
+    } else {
+      params_[param].add_local_grad(grad, full_scale, s.fp32_main_grad);
+    }
   }
   std::vector<at::Tensor> flag_views;
   for (const auto& e : entries_) flag_views.push_back(e.flag);
@@ -588,6 +890,16 @@ void ParamGroup::install() {
   // One host copy for every flag (a single device sync on CUDA).
   const at::Tensor flags = at::cat(flag_views).to(at::kCPU, at::kDouble);
   const double* present = flags.data_ptr<double>();
+  if (hook != nullptr) {
+    for (size_t k = 0; k < entries_.size(); ++k) {
+      const Entry& e = entries_[k];
+      e.out.mul_(full_scale * e.pre_divided);
+      // Fused Shard entries are views of one output, handed over once below.
+      const bool in_fused = fused_grad_view_.defined() && params_[e.param].is_sharded_placement();
+      if (!in_fused && present[k] > 0) (*hook)(e.out);
+    }
+    if (fused_grad_view_.defined()) (*hook)(fused_grad_view_);
+  }
 
   if (hsdp() && !s.all_reduce) {
     for (size_t k = 0; k < entries_.size(); ++k) {
@@ -615,7 +927,8 @@ void ParamGroup::install() {
     }
     // No rank had a gradient: the parameter keeps none, as in plain LibTorch.
     if (present[k] > 0) {
-      params_[e.param].add_reduced_grad(e.out, full_scale * e.pre_divided, s.fp32_main_grad);
+      const double scale = hook != nullptr ? 1.0 : full_scale * e.pre_divided;
+      params_[e.param].add_reduced_grad(e.out, scale, s.fp32_main_grad);
     }
   }
 }

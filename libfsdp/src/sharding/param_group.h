@@ -7,6 +7,7 @@
 #include "fsdp/comm.h"
 #include "sharding/param.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -106,6 +107,24 @@ class ParamGroup {
   // gradients were dropped by zero_grad).
   void clear_partial_sums();
 
+  // ---- set_unshard_in_backward(false) ----
+  // Points every parameter not unsharded at a value-free full-shape tensor
+  // (ShardedParam::to_value_free_full) instead of gathering; drops hpZ pieces
+  // and waits out a gather in flight (a prefetch) first. reshard() undoes it.
+  void expose_without_values();
+
+  // ---- extension points (fsdp/comm_hooks.h) ----
+  // Custom collectives; null restores the group's own. The buffers they
+  // allocate are made anew from the next unshard (StateError while the group
+  // is unsharded or a gather is in flight: the caller checks).
+  void set_custom_all_gather(std::shared_ptr<const CustomAllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<const CustomReduceScatter> comm);
+  void set_all_reduce_hook(std::shared_ptr<const AllReduceHook> hook) {
+    all_reduce_hook_ = std::move(hook);
+  }
+  // For error messages: the owning unit's label ("block0 #2").
+  void set_owner_label(std::function<std::string()> label) { owner_label_ = std::move(label); }
+
   // ---- memory accounting (fsdp/memory.h): the buffers held now ----
   // The fused all-gather output (storage released between gathers).
   const at::Tensor& fused_gather_out() const { return fused_gather_out_; }
@@ -144,6 +163,30 @@ class ParamGroup {
   size_t fused_gather_buffer(int64_t ws);
   // issue_unshard's hpZ path: the pieces' all-gathers over the post-forward group.
   void issue_post_forward_unshard();
+  // issue_unshard's collectives (it undoes them if one of them throws).
+  void issue_gathers();
+  // Whether parameter i goes through an all-gather extension.
+  bool extended(size_t i) const { return params_[i].extension() != nullptr; }
+  // Runs every extension's pre_all_gather, checked against the first call's
+  // outputs; returns them per extended parameter (in params_ order).
+  std::vector<std::vector<at::Tensor>> run_pre_all_gathers();
+  // Runs parameter i's post_all_gather on `gathered`, checks and installs it.
+  void run_post_all_gather(size_t i, const std::vector<at::Tensor>& gathered, int64_t ws);
+  // The extension outputs of every extended parameter in one byte all-gather.
+  void issue_extension_gather(int64_t ws, int64_t me);
+  void finish_extension_gather(int64_t ws);
+  // ws == 1: pre and post without a collective.
+  void unshard_extensions_locally();
+  // All-gather / reduce-scatter through the custom collective if set.
+  WorkPtr all_gather(const ProcessGroupPtr& group, at::Tensor out, const at::Tensor& in);
+  WorkPtr reduce_scatter(at::Tensor out, const at::Tensor& in);
+  // A buffer for a collective: the custom allocate (checked) or `fallback`.
+  at::Tensor collective_buffer(const CustomAllGather* ag, const CustomReduceScatter* rs,
+                               const ProcessGroupPtr& group, at::IntArrayRef shape,
+                               const at::TensorOptions& options);
+  // The reduced gradients of `entries_` (and the local ones) scaled in place
+  // and handed to the all-reduce hook; returns the scale still to apply.
+  void apply_all_reduce_hook(double full_scale);
 
   std::vector<ShardedParam> params_;
   ProcessGroupPtr shard_group_;
@@ -165,6 +208,29 @@ class ParamGroup {
   std::vector<int64_t> fused_offsets_;  // per parameter, within one rank's block
   int64_t fused_block_numel_ = 0;
   at::TensorOptions fused_gather_options_;  // the first sharded parameter's dtype, device
+
+  // Extensions: what the first pre_all_gather returned per extended
+  // parameter (shape, dtype of each output), and where each output's bytes
+  // sit in one rank's block of the byte all-gather.
+  struct ExtensionOutput {
+    std::vector<int64_t> shape;
+    c10::ScalarType dtype;
+    int64_t offset = 0;  // bytes into a rank's block
+    int64_t nbytes = 0;
+  };
+  std::vector<std::vector<ExtensionOutput>> ext_outputs_;  // per parameter (empty: none)
+  int64_t ext_block_bytes_ = 0;
+  at::Tensor ext_gather_out_;  // [ws * ext_block_bytes_] uint8, while a gather is issued
+  bool ext_gather_issued_ = false;
+  bool ext_recorded_ = false;
+  // The fused reduction output's gradient part (what the all-reduce hook sees).
+  at::Tensor fused_grad_view_;
+
+  std::shared_ptr<const CustomAllGather> custom_all_gather_;
+  std::shared_ptr<const CustomReduceScatter> custom_reduce_scatter_;
+  std::shared_ptr<const AllReduceHook> all_reduce_hook_;
+  std::function<std::string()> owner_label_;
+  std::string owner() const { return owner_label_ ? owner_label_() : std::string("?"); }
 
   Stage stage_ = Stage::None;
   ReduceSettings settings_;

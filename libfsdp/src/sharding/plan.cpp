@@ -294,6 +294,33 @@ FsdpDims fsdp_dims(const DeviceMesh& mesh, const FullyShardOptions& o, const cha
   return d;
 }
 
+namespace {
+
+std::shared_ptr<const AllGatherExtension> extension_of(const std::string& name,
+                                                       const at::Tensor& param, Placement placement,
+                                                       const FullyShardOptions& options) {
+  if (!options.all_gather_extension_fn) return nullptr;
+  std::optional<AllGatherExtension> ext = options.all_gather_extension_fn(name, param);
+  if (!ext) return nullptr;
+  if (!ext->pre_all_gather || !ext->post_all_gather) {
+    throw ArgumentError("all_gather_extension_fn",
+                        "fully_shard: 'all_gather_extension_fn' returned an extension for '" +
+                            name + "' without " +
+                            (ext->pre_all_gather ? "post_all_gather" : "pre_all_gather") +
+                            "; accepted: both functions, or std::nullopt for the ordinary "
+                            "all-gather");
+  }
+  if (!placement.is_shard()) {
+    throw ArgumentError("all_gather_extension_fn",
+                        "fully_shard: 'all_gather_extension_fn' returned an extension for '" +
+                            name + "', which is placed Replicate() (never all-gathered); "
+                            "accepted: extensions for Shard placements only");
+  }
+  return std::make_shared<const AllGatherExtension>(std::move(*ext));
+}
+
+}  // namespace
+
 UnitPlan plan_unit(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                    const FullyShardOptions& options, const DeviceMesh& mesh, FsdpDims unit_dims,
                    const std::unordered_map<const c10::TensorImpl*, size_t>& dtensor_of) {
@@ -341,18 +368,31 @@ UnitPlan plan_unit(const std::vector<std::shared_ptr<torch::nn::Module>>& module
       if (added) plan.groups.push_back({layout.shard_group, replicate, choice.divide_factor, {}});
       GroupPlan& gp = plan.groups[pos->second];
       const auto compute_dtype = dtypes.param.value_or(param.scalar_type());
-      if (options.comm_fusion && choice.placement.is_shard()) {
+      std::shared_ptr<const AllGatherExtension> extension =
+          extension_of(name, param, choice.placement, options);
+      gp.on_cuda = gp.on_cuda || (param.is_meta() ? mesh_device(mesh) : param.device()).is_cuda();
+      // Extended parameters gather in bytes of their own: not in the fused buffer.
+      if (choice.placement.is_shard() && !extension) {
         if (gp.fused_dtype && *gp.fused_dtype != compute_dtype) {
-          throw ArgumentError("comm_fusion",
-                              "fully_shard: 'comm_fusion' needs one compute dtype per parameter "
-                              "group, but '" + name + "' computes in " +
-                                  c10::toString(compute_dtype) + " and another parameter in " +
-                                  c10::toString(*gp.fused_dtype));
+          if (options.comm_fusion.value_or(false)) {
+            throw ArgumentError("comm_fusion",
+                                "fully_shard: 'comm_fusion' needs one compute dtype per parameter "
+                                "group, but '" + name + "' computes in " +
+                                    c10::toString(compute_dtype) + " and another parameter in " +
+                                    c10::toString(*gp.fused_dtype));
+          }
+          gp.mixed_dtypes = true;
         }
         gp.fused_dtype = compute_dtype;
       }
-      plan.params.push_back({name, param, std::move(layout), dtypes, pos->second});
+      plan.params.push_back({name, param, std::move(layout), dtypes, pos->second, extension});
     }
+  }
+  // Unset comm_fusion: FSDP2's one collective per group on CUDA, per
+  // parameter on the CPU (FullyShardOptions::comm_fusion says why).
+  for (auto& gp : plan.groups) {
+    gp.fused = options.comm_fusion.has_value() ? *options.comm_fusion
+                                               : gp.on_cuda && !gp.mixed_dtypes;
   }
   return plan;
 }

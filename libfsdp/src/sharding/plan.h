@@ -50,6 +50,7 @@ struct PlannedParam {
   ParamLayout layout;
   UnitDtypes dtypes;
   size_t group;
+  std::shared_ptr<const AllGatherExtension> extension;  // all_gather_extension_fn's
 };
 
 // One parameter group: the parameters sharing a shard group, a replicate
@@ -58,6 +59,9 @@ struct GroupPlan {
   ProcessGroupPtr shard, replicate;
   std::optional<double> divide_factor;
   std::optional<c10::ScalarType> fused_dtype;
+  bool mixed_dtypes = false;  // Shard parameters of several compute dtypes
+  bool on_cuda = false;       // a parameter computes on CUDA
+  bool fused = false;         // comm_fusion resolved (FullyShardOptions)
 };
 
 struct UnitPlan {

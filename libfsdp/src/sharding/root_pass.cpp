@@ -8,6 +8,8 @@
 #include "sharding/state.h"
 #include "sharding/unit_trace.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
@@ -133,6 +135,8 @@ void issue_ready_reductions(RootContext& c) {
 
 // Issues `target`'s all-gather ahead of its use, on behalf of `c`'s pass.
 void prefetch(RootContext& c, UnitState& target) {
+  // A unit that skips its backward all-gather is not gathered for it either.
+  if (c.phase == RootContext::Phase::Backward && !target.settings.unshard_in_backward) return;
   target.unshard(/*async_op=*/true);
   c.prefetched.push_back(target.weak_from_this());
 }
@@ -253,6 +257,15 @@ void begin_forward_pass(UnitState& root) {
   c.order.clear();
   c.reduce_cursor = 0;
   c.phase = RootContext::Phase::Forward;
+  // The all-gathers about to be issued are ordered after the current
+  // stream (the collective backends' rule); the user's event, recorded where
+  // the optimizer ran, joins that order here. CPU events never get here.
+  if (c.post_optim_event) {
+    const std::shared_ptr<c10::Event> event = std::move(c.post_optim_event);
+    c.post_optim_event.reset();
+    const auto* impl = c10::impl::getDeviceGuardImpl(event->device_type());
+    event->block(impl->getStream(impl->getDevice()));
+  }
 }
 
 }  // namespace fsdp::detail

@@ -9,6 +9,10 @@
 #include <memory>
 #include <vector>
 
+namespace c10 {
+struct Event;
+}  // namespace c10
+
 namespace fsdp {
 struct UnitState;
 namespace detail {
@@ -39,6 +43,9 @@ struct RootContext {
   // backward and at the next root forward.
   std::vector<std::weak_ptr<UnitState>> prefetched;
   bool callback_queued = false;
+  // FSDPModule::set_post_optim_event: the next root forward orders the
+  // current stream after it, once.
+  std::shared_ptr<c10::Event> post_optim_event;
 };
 
 // The units of a context's order that still exist.

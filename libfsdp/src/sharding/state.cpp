@@ -317,7 +317,13 @@ void UnitState::pre_backward() {
   if (pass.lifecycle.state() != detail::Lifecycle::Idle) return;
   transition(detail::Lifecycle::PreBackward, "pre-backward");
   if (trace::enabled()) detail::trace_open(detail::open_backward, *this, "backward");
-  wait_unshard();
+  if (settings.unshard_in_backward) {
+    wait_unshard();
+  } else {
+    // set_unshard_in_backward(false): full shapes for autograd, no gather.
+    detail::TraceUnit traced(*this);
+    for (auto& g : groups) g.expose_without_values();
+  }
   if (settings.explicit_backward_prefetch) {
     for (auto& weak : settings.backward_prefetch) {
       if (auto u = weak.lock()) detail::prefetch(context(), *u);

@@ -52,6 +52,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
     std::vector<std::weak_ptr<UnitState>> backward_prefetch;
     bool explicit_backward_prefetch = false;
     bool implicit_backward_prefetch = true;  // FullyShardOptions' (resolved)
+    bool unshard_in_backward = true;
   } settings;
 
   // Where the unit is in the current pass: reset by the root at the end of
