@@ -437,6 +437,36 @@ BOOST_AUTO_TEST_CASE(test_all_gather_extension_gathers_what_pre_returns) {
   rep.publish();
 }
 
+BOOST_AUTO_TEST_CASE(test_all_gather_extension_with_hpz,
+                     *spmd::needs_world_size(4, "a post-forward group of 2 of 4 ranks")) {
+  // reshard_after_forward(2): forward gathers the extension's bytes over the
+  // 4 ranks; backward re-gathers post_all_gather's values over 2, without
+  // running the extension again.
+  l1::Report rep("all-gather extension + hpZ");
+  const int64_t seed = 312;
+  for (bool fused : {false, true}) {
+    BOOST_TEST_CONTEXT("comm_fusion " << fused) {
+      Bf16Gather ext;
+      fsdp::FullyShardOptions o;
+      o.comm_fusion = fused;
+      o.all_gather_extension_fn = ext.fn();
+      o.reshard_after_forward = fsdp::ReshardAfterForward(2);
+      l1::ShardedMlp m(seed, o);
+      const auto global = toy::global_batch(3121, kRows);
+      m.loss(mine(global)).backward();
+      // fc1, fc2 and the root each run the extension once, in forward; their
+      // backward gathers re-gather the pieces kept after forward.
+      BOOST_TEST(ext.pre_calls == 3);
+      BOOST_TEST(ext.post_calls == 3);
+      rep.check(std::string("hpZ backward on extension values vs single card, fused ") +
+                    (fused ? "on" : "off"),
+                l1::grad_err(*m.model, *ref_grads_bf16_weights(seed, global), 4, spmd::rank()),
+                kGradTol);
+    }
+  }
+  rep.publish();
+}
+
 BOOST_AUTO_TEST_CASE(test_all_gather_extension_bad_input) {
   const auto global = toy::global_batch(3071, kRows);
   // Functions missing, a Replicate parameter: at fully_shard, module untouched.
@@ -535,14 +565,27 @@ BOOST_AUTO_TEST_CASE(test_float8_all_gather) {
   BOOST_TEST(moved > 0.0);
   BOOST_TEST(moved <= w.abs().max().item<double>() / 8);
   if (ws > 1) {
-    // Bytes: per weight row, cols bytes + a 4-byte scale (aligned to 8), in
-    // place of 4 * cols (float32). fc1 weight [7, 15] at ws ranks...
+    // Bytes each rank puts in per step (comm_hooks.h's wire format): per
+    // weight, its rows' float8 values and float32 scales, each padded to 8
+    // bytes, in one byte all-gather; the float32 bias beside it. fc1 and fc2
+    // gather in forward and backward, the root (fc3) once.
     int64_t bytes = 0;
     for (const auto& [key, b] : c.bytes) {
       if (key.first == "all_gather") bytes += b;
     }
-    BOOST_TEST(bytes > 0);
-    BOOST_TEST_MESSAGE("float8 step: all-gather input bytes per rank " << bytes);
+    auto pad8 = [](int64_t n) { return (n + 7) / 8 * 8; };
+    struct W {
+      int64_t rows, cols, gathers;
+    };
+    int64_t want = 0, want_fp32 = 0;
+    for (const W& w : {W{7, 15, 2}, W{3, 7, 2}, W{5, 3, 1}}) {
+      const int64_t chunk = (w.rows + ws - 1) / ws;
+      want += w.gathers * (pad8(chunk * w.cols) + pad8(4 * chunk) + 4 * chunk);
+      want_fp32 += w.gathers * (4 * chunk * w.cols + 4 * chunk);
+    }
+    BOOST_TEST(bytes == want, "all-gather bytes per rank " << bytes << ", expected " << want);
+    BOOST_TEST_MESSAGE("float8 step: all-gather input bytes per rank " << bytes << " (float32: "
+                                                                       << want_fp32 << ")");
   }
   rep.publish();
 }

@@ -47,6 +47,12 @@ const std::vector<ConfigSpec>& all_configs() {
        "all-gather of the unit before it, FSDP2's default; the library's on CUDA only)",
        {}, fsdp::pp::ScheduleKind::OneFOneB, 1, true, ConfigSpec::Backward::Implicit},
       {"fsdp-fused", Kind::Fsdp, {}, true, "as fsdp, comm_fusion=true"},
+      {"fsdp-fp8", Kind::Fsdp, {}, false,
+       "as fsdp, the decoder's matrix weights all-gathered in float8 e4m3 with per-row scales "
+       "(fsdp::float8_all_gather; computing in --param-dtype); LibTorch >= 2.1; only when "
+       "--configs names it",
+       {}, fsdp::pp::ScheduleKind::OneFOneB, 1, true, ConfigSpec::Backward::Default,
+       /*float8_all_gather=*/true, /*opt_in=*/true},
       {"hsdp", Kind::Hsdp, {}, false,
        "as fsdp on a (replicate = ranks / 2, shard = 2) mesh: sharded over pairs of ranks, "
        "gradients all-reduced across the pairs"},
@@ -108,7 +114,7 @@ models::DecoderConfig decoder_config(const Options& o) {
 std::vector<ConfigSpec> selected_configs(const Options& o) {
   std::vector<ConfigSpec> specs;
   for (const ConfigSpec& s : all_configs()) {
-    if (o.configs.empty() ||
+    if ((o.configs.empty() && !s.opt_in) ||
         std::find(o.configs.begin(), o.configs.end(), s.key) != o.configs.end()) {
       specs.push_back(s);
     }

@@ -62,6 +62,10 @@ struct ConfigSpec {
   // Default: the library's (implicit on CUDA, none on the CPU); Implicit:
   // implicit_backward_prefetch=true; None: set_modules_to_backward_prefetch({}).
   enum class Backward { Default, Implicit, None } backward_prefetch = Backward::Default;
+  // Matrix weights all-gathered in float8 (fsdp::float8_all_gather).
+  bool float8_all_gather = false;
+  // Runs only when --configs names it (not part of the default set).
+  bool opt_in = false;
 };
 
 // Every configuration fsdp-bench train knows, in run and table order.

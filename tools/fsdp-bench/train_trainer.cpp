@@ -6,6 +6,7 @@
 #include "train_memory.h"
 
 #include "fsdp/comm.h"
+#include "fsdp/float8.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/moe.h"
 #include "fsdp/tensor_parallel.h"
@@ -95,6 +96,8 @@ fsdp::FullyShardOptions shard_options(const ConfigSpec& spec, const Options& o,
     fo.mp_policy.param_dtype = at::kBFloat16;
     fo.mp_policy.reduce_dtype = at::kFloat;
   }
+  // DTypeError naming float8_all_gather on a LibTorch without float8.
+  if (spec.float8_all_gather) fo.all_gather_extension_fn = fsdp::float8_all_gather();
   return fo;
 }
 
