@@ -34,6 +34,7 @@
 #include "training_run.h"
 #include "world_comm.h"
 
+#include <fsdp/graceful_stop.h>
 #include <fsdp/mesh.h>
 #include <fsdp/runtime.h>
 #include <fsdp/weights_file.h>
@@ -44,6 +45,8 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -213,6 +216,9 @@ std::unique_ptr<LossLog> open_loss_log(const TrainConfig& cfg, int64_t start) {
 int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const int rank = rt.world_rank(), world = rt.world_size();
   const bool lead = rank == 0;
+  // First: a SIGTERM / SIGUSR1 during set-up is kept for the first step
+  // boundary instead of killing the rank (docs/graceful_stop.md).
+  fsdp::GracefulStop stop;
   const Corpus corpus = Corpus::load(cfg.data);
   resolve(cfg, world, corpus.size());
   const nlohmann::json numerics = numerics_json(cfg, corpus.size(), corpus.hash());
@@ -241,7 +247,27 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   if (lead) log = open_loss_log(cfg, resumed.start);
 
   Checkpointer checkpointer(run);
-  train_steps(run, resumed.start, log.get(), stall, checkpointer);
+  const int64_t stopped_at = train_steps(run, resumed.start, log.get(), stall, checkpointer, stop);
+  if (stopped_at > 0) {
+    // A graceful stop (docs/graceful_stop.md): the step's checkpoint is
+    // complete on disk before the job exits, well inside Slurm's KillWait.
+    const auto t0 = std::chrono::steady_clock::now();
+    checkpointer.finish();
+    if (lead) {
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const int sig = stop.agreed_signal();
+      std::cout << fmt::format("fsdp-train: stopped by {} at step {} of {}: checkpoint {}/checkpoint/"
+                               "step-{:012d} complete ({:.2f} s after the agreement); continue "
+                               "with --resume (exit status {})",
+                               sig > 0 ? fmt::format("signal {} ({})", sig, strsignal(sig))
+                                       : std::string("request"),
+                               stopped_at, cfg.steps, cfg.out, stopped_at, s,
+                               fsdp::kStoppedExitCode)
+                << std::endl;
+    }
+    return fsdp::kStoppedExitCode;
+  }
   checkpointer.finish();
 
   std::vector<Curve> curves{{cfg.out + "/loss.csv",

@@ -119,8 +119,8 @@ void print_summary(const TrainConfig& cfg, const Progress& progress, int64_t sta
 
 }  // namespace
 
-void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
-                 Checkpointer& checkpointer) {
+int64_t train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
+                    Checkpointer& checkpointer, fsdp::GracefulStop& stop) {
   const TrainConfig& cfg = run.cfg;
   const int64_t tokens_per_step = cfg.batch * cfg.seq;
   Progress progress(cfg.steps, start, tokens_per_step, cfg.log_every);
@@ -144,12 +144,19 @@ void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const Hook
       log->add({step, s.mean_loss, s.norm, tok_s});
       if (print) std::cout << progress.line(step, s.mean_loss, mem, s.bubble, load) << std::endl;
     }
-    if (step == cfg.steps || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)) {
-      save(run, step, checkpointer, stall);
+    const bool saved =
+        step == cfg.steps || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0);
+    if (saved) save(run, step, checkpointer, stall);
+    // Every rank agrees here, between steps: none is inside a collective.
+    if (step < cfg.steps && stop.should_stop()) {
+      if (!saved) save(run, step, checkpointer, stall);
+      if (run.lead) print_summary(cfg, progress, start, seconds_since(run_start), bubble_sum);
+      return step;
     }
   }
   const double train_seconds = seconds_since(run_start);
   if (run.lead) print_summary(cfg, progress, start, train_seconds, bubble_sum);
+  return 0;
 }
 
 }  // namespace fsdp_train

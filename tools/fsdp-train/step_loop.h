@@ -8,6 +8,8 @@
 #include "train_checkpoint.h"
 #include "training_run.h"
 
+#include <fsdp/graceful_stop.h>
+
 #include <cstdint>
 
 namespace fsdp_train {
@@ -17,7 +19,10 @@ namespace fsdp_train {
 // loss.csv (null elsewhere). `stall`: FSDP_TRAIN_STALL_AT, read at set-up.
 // `checkpointer` saves every --checkpoint-every steps and at the last step
 // (the caller waits for it with finish()).
-void train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
-                 Checkpointer& checkpointer);
+// `stop`: polled after every step (collective); when any rank received its
+// signal, the step just finished is saved (unless it already was) and the
+// loop returns that step. Returns 0 when every step ran.
+int64_t train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
+                    Checkpointer& checkpointer, fsdp::GracefulStop& stop);
 
 }  // namespace fsdp_train

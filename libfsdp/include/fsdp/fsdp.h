@@ -10,6 +10,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/float8.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/graceful_stop.h"
 #include "fsdp/memory.h"
 #include "fsdp/mesh.h"
 #include "fsdp/moe.h"
