@@ -25,6 +25,7 @@
 #include "config.h"
 #include "corpus.h"
 #include "final_report.h"
+#include "job_info.h"
 #include "model.h"
 #include "pipelined_decoder.h"
 #include "progress.h"
@@ -171,7 +172,7 @@ void print_banner(const TrainingRun& run, const fsdp::Runtime& rt, const Resumed
                    "{}{}, ffn {}, tied output; init {}{}) | batch {} x seq {} = {} tokens/step ({} per "
                    "{}) | "
                    "data {} ({} bytes) | {} steps, AdamW lr {} wd 0, clip {}, seed {} | {} "
-                   "thread(s)/rank, LibTorch {}, BLAS {}",
+                   "thread(s)/rank, LibTorch {}, BLAS {}{}",
                    world, cfg.mesh_string(), device.str(), cfg.mp, reshard, cfg.ac, n_params / 1e6,
                    cfg.moe ? "MoE " : "", cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, experts,
                    decoder_config(cfg).ffn_dim(), cfg.init,
@@ -180,7 +181,7 @@ void print_banner(const TrainingRun& run, const fsdp::Runtime& rt, const Resumed
                    cfg.local_batch(),
                    cfg.pipelined() ? "pipeline" : "rank", cfg.data, corpus.size(), cfg.steps,
                    cfg.lr, cfg.clip, cfg.seed, at::get_num_threads(), TORCH_VERSION,
-                   rt.blas_library())
+                   rt.blas_library(), banner_suffix(job_info_from_env()))
             << std::endl;
   if (cfg.pipelined()) {
     const int64_t per = cfg.layers / cfg.num_stages();
@@ -242,7 +243,15 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
 
   Resumed resumed;
   if (cfg.resume) resumed = resume(run);
-  if (lead) print_banner(run, rt, resumed);
+  if (lead) {
+    print_banner(run, rt, resumed);
+    append_run_record(cfg.out, job_info_from_env(),
+                      {{"world_size", world},
+                       {"mesh", cfg.mesh_string()},
+                       {"steps", cfg.steps},
+                       {"resumed_from_step", resumed.start},
+                       {"resumed_from", resumed.from}});
+  }
   std::unique_ptr<LossLog> log;
   if (lead) log = open_loss_log(cfg, resumed.start);
 
