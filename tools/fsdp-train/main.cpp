@@ -46,7 +46,11 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -80,6 +84,32 @@ void prepare_out_dir(const TrainConfig& cfg, bool lead) {
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (!fs::is_directory(cfg.out)) throw ConfigError("--out " + cfg.out + ": cannot create it");
+  // Checkpoints go to <out>/checkpoint/: found unwritable at the first save
+  // (or at a stop signal) the steps since the start would be lost, so every
+  // rank writes and removes a file there before the first step.
+  const std::string dir = cfg.out + "/checkpoint";
+  std::string why;
+  {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec || !fs::is_directory(dir)) {
+      why = ec ? ec.message() : "not a directory";
+    } else {
+      const std::string probe = fmt::format("{}/.write-probe-{}", dir, getpid());
+      std::FILE* f = std::fopen(probe.c_str(), "w");
+      if (f == nullptr || std::fputs("probe", f) < 0 || std::fclose(f) != 0) {
+        why = std::strerror(errno);
+      }
+      std::remove(probe.c_str());
+    }
+  }
+  int bad = why.empty() ? 0 : 1, any_bad = 0;
+  MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (any_bad != 0) {
+    throw ConfigError(fmt::format("--out {}: cannot write checkpoints to {} ({}); nothing was "
+                                  "changed",
+                                  cfg.out, dir, why.empty() ? "on another rank" : why));
+  }
 }
 
 // The job's mesh (collective over the world).
