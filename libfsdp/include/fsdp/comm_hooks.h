@@ -80,6 +80,8 @@ using AllGatherExtensionFn = std::function<std::optional<AllGatherExtension>(
 struct CustomAllGather {
   // Returns the output buffer: `numel` elements of `options` (dtype,
   // device). Empty = the group's own (ProcessGroup::empty_for_collectives).
+  // Called once per buffer: between gathers the unit releases a buffer's
+  // storage and regrows it in place, through the storage's own allocator.
   // A result of another size, dtype or device -> ShapeError / DTypeError /
   // LayoutError naming "allocate".
   std::function<at::Tensor(int64_t numel, const at::TensorOptions& options)> allocate;
