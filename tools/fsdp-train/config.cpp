@@ -456,17 +456,25 @@ void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
   }
   // A dim above the world size cannot be part of a product equal to it (and
   // could overflow the product).
+  // Two dims below 2^31 multiply without overflow; a larger one is reported
+  // as "more than" the world size.
   int64_t product = 1;
-  for (auto d : cfg.mesh_shape) product = d > world_size ? int64_t{world_size} + 1 : product * d;
-  if (product > world_size) product = world_size + 1;
-  if (product * model_parallel != world_size) {
+  bool beyond = false;
+  for (auto d : cfg.mesh_shape) {
+    if (d > std::numeric_limits<int32_t>::max()) beyond = true;
+    product = beyond ? int64_t{world_size} + 1 : product * d;
+  }
+  if (beyond || product * model_parallel != world_size) {
     const std::string with = cfg.tp > 1   ? fmt::format(" with --tp {}", cfg.tp)
                              : cfg.pp > 1 ? fmt::format(" with --pp {}", cfg.pp)
                                           : "";
     throw ConfigError(fmt::format(
         "--mesh {}: the mesh has {} ranks{} but the job has {} (mpiexec -n {}); the product of "
         "the mesh dims{} must equal the world size",
-        cfg.mesh, product * model_parallel, with, world_size, world_size,
+        cfg.mesh,
+        beyond ? fmt::format("more than {}", world_size)
+               : std::to_string(product * model_parallel),
+        with, world_size, world_size,
         cfg.tp > 1 ? " times --tp" : cfg.pp > 1 ? " times --pp" : ""));
   }
   // FSDP and HSDP alike: every data-parallel coordinate takes its own slice

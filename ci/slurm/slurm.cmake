@@ -1,0 +1,79 @@
+# Real Slurm jobs on a simulated cluster on this one machine (included by
+# tools/fsdp-train/CMakeLists.txt, where the fsdp-train target is)
+# (ci/slurm/cluster: munged and slurmctld on the host, one slurmd per node,
+# each node in its own network, UTS and mount namespaces on a private bridge;
+# root needed). Label slurm (and nodes2), not cpu: .ci/run runs them after
+# the cpu and LibTorch 2.x legs (ci/install-slurm.sh installs Slurm first),
+# since the cluster's bridge and daemons must not share the machine with
+# the other suites' jobs.
+#
+# The fixture slurm_cluster_up brings the cluster up under
+# ${CMAKE_BINARY_DIR}/slurm-sim and slurm_cluster_down takes it down; every
+# test (ci/slurm/tests/*-check.sh <fsdp-train> <work dir>) runs its jobs
+# through it (a test run alone brings up and takes down a cluster of its own).
+# Where srun is not found at configure time the entries are still registered
+# and fail, saying Slurm is missing: never skipped silently.
+set(FSDP_SLURM_CLUSTER "${PROJECT_SOURCE_DIR}/ci/slurm/cluster")
+set(FSDP_SLURM_TESTS "${PROJECT_SOURCE_DIR}/ci/slurm/tests")
+set(FSDP_SLURM_STATE "${CMAKE_BINARY_DIR}/slurm-sim")
+# A miss is not cached: installing Slurm and re-running cmake finds it.
+foreach(_p FSDP_SRUN FSDP_SLURMCTLD FSDP_SLURMD FSDP_MUNGED)
+  if(NOT ${_p})
+    unset(${_p} CACHE)
+  endif()
+endforeach()
+find_program(FSDP_SRUN srun)
+find_program(FSDP_SLURMCTLD slurmctld PATHS /usr/sbin /usr/local/sbin)
+find_program(FSDP_SLURMD slurmd PATHS /usr/sbin /usr/local/sbin)
+find_program(FSDP_MUNGED munged PATHS /usr/sbin /usr/local/sbin)
+
+set(_slurm_missing "")
+foreach(_p FSDP_SRUN FSDP_SLURMCTLD FSDP_SLURMD FSDP_MUNGED)
+  if(NOT ${_p})
+    string(REPLACE "FSDP_" "" _n "${_p}")
+    string(TOLOWER "${_n}" _n)
+    list(APPEND _slurm_missing ${_n})
+  endif()
+endforeach()
+if(_slurm_missing)
+  string(REPLACE ";" ", " _slurm_missing "${_slurm_missing}")
+  message(STATUS "libfsdp: Slurm is missing (${_slurm_missing} not found): the slurm tests are registered to fail (Debian: apt-get install slurm-wlm munge)")
+endif()
+
+# fsdp_add_slurm_test(NAME <name> COMMAND <program> [args...] TIMEOUT <s> [FIXTURE_SETUP|FIXTURE_CLEANUP])
+function(fsdp_add_slurm_test)
+  cmake_parse_arguments(T "FIXTURE_SETUP;FIXTURE_CLEANUP" "NAME;TIMEOUT" "COMMAND" ${ARGN})
+  if(_slurm_missing)
+    set(T_COMMAND sh -c "echo 'FAIL: Slurm is missing: ${_slurm_missing} not found at configure time (Debian: apt-get install slurm-wlm munge, then re-run cmake)' && exit 1")
+  endif()
+  add_test(NAME ${T_NAME} COMMAND ${T_COMMAND})
+  set_tests_properties(${T_NAME} PROPERTIES
+    LABELS "slurm;nodes2" TIMEOUT ${T_TIMEOUT} RUN_SERIAL TRUE
+    ENVIRONMENT "FSDP_TRAIN=$<TARGET_FILE:fsdp-train>;FSDP_BUILD_DIR=${CMAKE_BINARY_DIR};FSDP_SLURM_STATE=${FSDP_SLURM_STATE};FSDP_SLURM_CLUSTER=${FSDP_SLURM_CLUSTER};FSDP_NUM_THREADS=1;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+  if(T_FIXTURE_SETUP)
+    set_tests_properties(${T_NAME} PROPERTIES FIXTURES_SETUP slurm_cluster)
+  elseif(T_FIXTURE_CLEANUP)
+    set_tests_properties(${T_NAME} PROPERTIES FIXTURES_CLEANUP slurm_cluster)
+  elseif(NOT _slurm_missing)  # (missing: every entry fails on its own, with the message)
+    set_tests_properties(${T_NAME} PROPERTIES FIXTURES_REQUIRED slurm_cluster)
+  endif()
+endfunction()
+
+fsdp_add_slurm_test(NAME slurm_cluster_up FIXTURE_SETUP TIMEOUT 120
+  COMMAND ${FSDP_SLURM_CLUSTER} up --nodes 2 --cpus 2 --rate 10gbit --state ${FSDP_SLURM_STATE})
+fsdp_add_slurm_test(NAME slurm_cluster_down FIXTURE_CLEANUP TIMEOUT 60
+  COMMAND ${FSDP_SLURM_CLUSTER} down --state ${FSDP_SLURM_STATE})
+
+# name:timeout. srun_train: 2 x (6 steps + verify); scancel: a stopped job,
+# its resume and the straight run; node_loss: up to 90 s for the job to end
+# after the loss, the resume and bringing the node back; bad_input: 2 jobs
+# that fail at start-up.
+foreach(_t "srun_train:300" "scancel:420" "node_loss:420" "bad_input:180")
+  string(REPLACE ":" ";" _kv "${_t}")
+  list(GET _kv 0 _id)
+  list(GET _kv 1 _timeout)
+  string(REPLACE "_" "-" _script "${_id}")
+  fsdp_add_slurm_test(NAME slurm_${_id} TIMEOUT ${_timeout}
+    COMMAND ${FSDP_SLURM_TESTS}/${_script}-check.sh $<TARGET_FILE:fsdp-train>
+            ${CMAKE_CURRENT_BINARY_DIR}/slurm-${_script})
+endforeach()
