@@ -141,6 +141,8 @@ ParamGroup::ParamGroup(std::vector<ShardedParam> params, ProcessGroupPtr shard_g
     fused_block_numel_ += p.padded_block_numel();
   }
   ext_outputs_.resize(params_.size());
+  has_extensions_ = std::any_of(params_.begin(), params_.end(),
+                                [](const ShardedParam& p) { return p.extension() != nullptr; });
   partial_sums_.resize(params_.size());
   partial_presence_.resize(params_.size());
   base_grads_.resize(params_.size());
@@ -245,9 +247,7 @@ void ParamGroup::issue_gathers() {
   // this rank's block of the output, so the collective copies nothing of its
   // own and no separate input buffer exists.
   const int64_t me = shard_group_->rank();
-  if (ext_recorded_ || std::any_of(params_.begin(), params_.end(), [](const ShardedParam& p) {
-        return p.extension() != nullptr;
-      })) {
+  if (has_extensions_) {
     issue_extension_gather(ws, me);
     traced_bytes += static_cast<int64_t>(ext_gather_out_.nbytes());
   }

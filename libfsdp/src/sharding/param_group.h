@@ -223,6 +223,7 @@ class ParamGroup {
   at::Tensor ext_gather_out_;  // [ws * ext_block_bytes_] uint8, while a gather is issued
   bool ext_gather_issued_ = false;
   bool ext_recorded_ = false;
+  bool has_extensions_ = false;  // a parameter has an extension (fixed at construction)
   // The fused reduction output's gradient part (what the all-reduce hook sees).
   at::Tensor fused_grad_view_;
 
