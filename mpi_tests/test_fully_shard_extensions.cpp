@@ -320,6 +320,13 @@ BOOST_AUTO_TEST_CASE(test_custom_collectives_bad_input) {
   l1::expect_error<fsdp::ArgumentError>(
       [&] { m.fc1.set_custom_reduce_scatter(fsdp::CustomReduceScatter{}); }, "reduce_scatter",
       "custom reduce-scatter without its function");
+  // Custom collectives change the buffers a unit gathers into: refused while
+  // it is unsharded, accepted again after reshard().
+  m.fc1.unshard();
+  l1::expect_error<fsdp::StateError>([&] { m.fc1.set_custom_all_gather(CountingComms{}.all_gather()); },
+                                     "unsharded", "custom all-gather while unsharded");
+  m.fc1.reshard();
+  BOOST_CHECK_NO_THROW(m.fc1.set_custom_all_gather(std::nullopt));
   if (spmd::world_size() == 1) return;  // a shard group of one allocates no gather buffer
   // allocate returning the wrong size / dtype: typed errors at the unshard,
   // on every rank, and the unit is usable again afterwards.
