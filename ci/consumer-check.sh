@@ -4,7 +4,7 @@
 # installs <build-dir> into a temporary prefix, configures and builds
 # <source-dir>/examples/consumer with find_package(libfsdp) against it, and runs
 # it with `mpiexec -n 2`. CTest runs it as consumer_project (labels cpu, packaging).
-# Env: CMAKE, MPIEXEC, CXX, CCACHE (default: from PATH).
+# Env: CMAKE, MPIEXEC (and MPIEXEC_FLAGS), CXX, CCACHE (default: from PATH).
 set -euo pipefail
 if [ $# -ne 2 ]; then
   echo "usage: $0 <build-dir> <source-dir>" >&2
@@ -14,6 +14,7 @@ build="$(cd "$1" && pwd)"
 src="$(cd "$2" && pwd)"
 cmake="${CMAKE:-cmake}"
 mpiexec="${MPIEXEC:-mpiexec}"
+read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
 ccache="${CCACHE:-$(command -v ccache || true)}"
 
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/libfsdp-consumer.XXXXXX")"
@@ -52,5 +53,5 @@ echo "consumer-check: configuring examples/consumer"
 "$cmake" --build "$tmp/build" -j "$(nproc)"
 
 echo "consumer-check: running mpiexec -n 2 consumer"
-"$mpiexec" -n 2 "$tmp/build/consumer"
+"$mpiexec" -n 2 "${mpiexec_flags[@]}" "$tmp/build/consumer"
 echo "consumer-check: OK"

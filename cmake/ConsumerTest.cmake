@@ -1,9 +1,10 @@
 # consumer_project: installs this build into a temporary prefix, then builds
 # and runs examples/consumer against it with find_package(libfsdp) -- the
 # path a user takes (ci/consumer-check.sh).
+fsdp_launch_env(_consumer_launch_env 2)
 set(_fsdp_consumer_env
   "OMPI_ALLOW_RUN_AS_ROOT=1" "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" "FSDP_NUM_THREADS=1"
-  "CMAKE=${CMAKE_COMMAND}" "MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  "CMAKE=${CMAKE_COMMAND}" ${_consumer_launch_env}
   "CXX=${CMAKE_CXX_COMPILER}")
 if(CCACHE_PROGRAM)
   list(APPEND _fsdp_consumer_env "CCACHE=${CCACHE_PROGRAM}")

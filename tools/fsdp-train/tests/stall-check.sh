@@ -12,7 +12,7 @@
 #
 #   tools/fsdp-train/tests/stall-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
-# Env: MPIEXEC (default mpiexec), NP (default 2), FSDP_TIMEOUT (default 5),
+# Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS, NP (default 2), FSDP_TIMEOUT (default 5),
 # FSDP_TRAIN_STALL_AT (unset). CTest runs it as fsdp_train_stall_np2 and
 # fsdp_train_stall_{optimizer,save}_np2.
 set -uo pipefail
@@ -20,17 +20,25 @@ train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
 mpiexec="${MPIEXEC:-mpiexec}"
+read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
 np="${NP:-2}"
 export FSDP_TIMEOUT="${FSDP_TIMEOUT:-5}"
 rm -rf "$work" && mkdir -p "$work"
 log="$work/job.log"
 
-"$mpiexec" -n "$np" "$train" --steps 100000 --seq 64 --batch 4 --log-every 1 \
+"$mpiexec" -n "$np" "${mpiexec_flags[@]}" "$train" --steps 100000 --seq 64 --batch 4 --log-every 1 \
   --out "$work/out" "$@" > "$log" 2>&1 &
 job=$!
 fail() { echo "FAIL: $*"; cat "$log"; kill -9 "$job" 2>/dev/null; pkill -9 -P "$job" 2>/dev/null; exit 1; }
 
-ranks() { pgrep -P "$job" -f "$(basename "$train")"; }
+# The ranks: fsdp-train processes writing to this run's --out (children of
+# mpiexec, or of slurmstepd under srun).
+ranks() {
+  local p
+  for p in $(pgrep -f -- "--out $work/out" || true); do
+    [ "$(cat "/proc/$p/comm" 2>/dev/null)" = "$(basename "$train" | cut -c1-15)" ] && echo "$p"
+  done
+}
 if [ -n "${FSDP_TRAIN_STALL_AT:-}" ]; then
   victim=""
   for _ in $(seq 1 600); do  # up to 60 s for start-up and the hook's step
@@ -51,7 +59,7 @@ else
   done
   [ "$(wc -l < "$work/out/loss.csv" 2>/dev/null || echo 0)" -ge 3 ] || fail "no two steps within 60 s"
   victim=$(ranks | tail -n 1)
-  [ -n "$victim" ] || fail "no rank process found under mpiexec (pid $job)"
+  [ -n "$victim" ] || fail "no rank process of the job found (--out $work/out)"
   echo "== stopping rank process $victim (SIGSTOP); FSDP_TIMEOUT=$FSDP_TIMEOUT"
   kill -STOP "$victim"
 fi
