@@ -27,6 +27,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
+#include <exception>
 #include <iostream>
 #include <sstream>
 #include <string_view>
@@ -321,8 +322,9 @@ int Runtime::node_of(int world_rank) const {
   return node_of_[static_cast<size_t>(world_rank)];
 }
 
-// Every rank reaches the same verdict (the ids are gathered over the node),
-// so a refusal throws on all of them instead of leaving some waiting.
+// Every rank reaches the same verdict (the device errors are agreed over the
+// world, the ids are gathered over the node), so a refusal throws on all of
+// them instead of leaving some waiting.
 void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
   detail::DeviceRequest request = detail::DeviceRequest::Auto;
   if (options.device) {
@@ -337,7 +339,30 @@ void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
     request = detail::parse_device_request(env, "FSDP_DEVICE");
   }
   const auto cuda_devices = static_cast<int>(torch::cuda::device_count());
-  device_ = detail::choose_device(request, local_rank_, cuda_devices);
+  // The choice follows what Slurm gave the task (CUDA_VISIBLE_DEVICES,
+  // SLURM_*); a task Slurm gave no GPU, or ranks sharing a node-wide list,
+  // fail here with the srun option that fixes it.
+  const detail::SlurmGpuFacts facts =
+      detail::read_slurm_gpu_facts([](const char* name) { return std::getenv(name); });
+  detail::DeviceChoice choice;
+  std::exception_ptr failure;
+  try {
+    choice = detail::explain_device_choice(request, local_rank_, local_size_, cuda_devices, facts);
+  } catch (const Error&) {
+    failure = std::current_exception();
+  }
+  const int mine = failure ? world_rank_ : -1;
+  int failed = -1;
+  detail::check_mpi(MPI_Allreduce(&mine, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD),
+                    "MPI_Allreduce (device choice)");
+  if (failure) std::rethrow_exception(failure);
+  if (failed >= 0) {
+    throw StateError("world rank " + std::to_string(failed) +
+                     " could not choose its device (its error says why and what to change); "
+                     "this rank would have used " + choice.description);
+  }
+  device_ = choice.device;
+  detail::set_bound_device_description(choice.description);
   if (!device_.is_cuda()) return;
   // Kernels, streams and contexts this process creates go to its own GPU,
   // not to cuda:0 in every rank.
