@@ -64,11 +64,20 @@ fsdp_add_slurm_test(NAME slurm_cluster_up FIXTURE_SETUP TIMEOUT 120
 fsdp_add_slurm_test(NAME slurm_cluster_down FIXTURE_CLEANUP TIMEOUT 60
   COMMAND ${FSDP_SLURM_CLUSTER} down --state ${FSDP_SLURM_STATE})
 
+# What users submit: ci/slurm/gpu4.sbatch --cpu configures a build of its own
+# (${CMAKE_BINARY_DIR}/slurm-ctest-build) with srun as the CTest launcher,
+# builds the suites it runs (ccache serves this build's objects) and runs
+# ctest -L cpu -L 'L0|example' inside a 2-node allocation.
+fsdp_add_slurm_test(NAME slurm_sbatch_ctest TIMEOUT 1200
+  COMMAND ${FSDP_SLURM_TESTS}/sbatch-ctest-check.sh ${PROJECT_SOURCE_DIR}
+          ${CMAKE_BINARY_DIR}/slurm-ctest-build ${CMAKE_CURRENT_BINARY_DIR}/slurm-sbatch-ctest)
+
 # name:timeout. srun_train: 2 x (6 steps + verify); scancel: a stopped job,
-# its resume and the straight run; node_loss: up to 90 s for the job to end
-# after the loss, the resume and bringing the node back; bad_input: 2 jobs
-# that fail at start-up.
-foreach(_t "srun_train:300" "scancel:420" "node_loss:420" "bad_input:180")
+# its resume and the straight run; time_limit: train.sbatch with a 1-minute
+# limit, requeued 1-4 times (each start 20-50 s, 10-15 s between), then the
+# straight run; node_loss: up to 90 s for the job to end after the loss, the
+# resume and bringing the node back; bad_input: 2 jobs that fail at start-up.
+foreach(_t "srun_train:300" "scancel:420" "time_limit:600" "node_loss:420" "bad_input:180")
   string(REPLACE ":" ";" _kv "${_t}")
   list(GET _kv 0 _id)
   list(GET _kv 1 _timeout)

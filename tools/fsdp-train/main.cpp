@@ -259,6 +259,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const fsdp::DeviceMesh mesh = make_mesh(cfg, device);
   const WorldComm world_comm(world);
   const HookSpec stall = read_hook("FSDP_TRAIN_STALL_AT", {"optimizer", "save"});
+  const std::chrono::milliseconds min_step = read_min_step("FSDP_TRAIN_MIN_STEP_MS");
   const int64_t dp_rank = (rank % (cfg.dp_size * cfg.tp)) / cfg.tp;
   int64_t n_params = 0;
   ShardedDecoder sharded = build_sharded(cfg, device, mesh, n_params);
@@ -286,7 +287,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   if (lead) log = open_loss_log(cfg, resumed.start);
 
   Checkpointer checkpointer(run);
-  const int64_t stopped_at = train_steps(run, resumed.start, log.get(), stall, checkpointer, stop);
+  const int64_t stopped_at = train_steps(run, resumed.start, log.get(), stall, min_step, checkpointer, stop);
   if (stopped_at > 0) {
     // A graceful stop (docs/graceful_stop.md): the step's checkpoint is
     // complete on disk before the job exits, well inside Slurm's KillWait.

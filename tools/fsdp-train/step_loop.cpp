@@ -16,6 +16,7 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fsdp_train {
@@ -120,7 +121,7 @@ void print_summary(const TrainConfig& cfg, const Progress& progress, int64_t sta
 }  // namespace
 
 int64_t train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
-                    Checkpointer& checkpointer, fsdp::GracefulStop& stop) {
+                    std::chrono::milliseconds min_step, Checkpointer& checkpointer, fsdp::GracefulStop& stop) {
   const TrainConfig& cfg = run.cfg;
   const int64_t tokens_per_step = cfg.batch * cfg.seq;
   Progress progress(cfg.steps, start, tokens_per_step, cfg.log_every);
@@ -147,6 +148,7 @@ int64_t train_steps(const TrainingRun& run, int64_t start, LossLog* log, const H
     const bool saved =
         step == cfg.steps || (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0);
     if (saved) save(run, step, checkpointer, stall);
+    if (min_step.count() > 0) std::this_thread::sleep_until(t0 + min_step);  // test hook
     // Every rank agrees here, between steps: none is inside a collective.
     if (step < cfg.steps && stop.should_stop()) {
       if (!saved) save(run, step, checkpointer, stall);

@@ -23,6 +23,7 @@ namespace fsdp_train {
 // signal, the step just finished is saved (unless it already was) and the
 // loop returns that step. Returns 0 when every step ran.
 int64_t train_steps(const TrainingRun& run, int64_t start, LossLog* log, const HookSpec& stall,
+                    std::chrono::milliseconds min_step,
                     Checkpointer& checkpointer, fsdp::GracefulStop& stop);
 
 }  // namespace fsdp_train

@@ -34,4 +34,23 @@ HookSpec read_hook(const char* variable, const std::vector<std::string>& points)
   return spec;
 }
 
+std::chrono::milliseconds read_min_step(const char* variable) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr || *env == '\0') return std::chrono::milliseconds(0);
+  const std::string text = env;
+  long long ms = -1;
+  try {
+    size_t used = 0;
+    ms = std::stoll(text, &used);
+    if (used != text.size()) ms = -1;
+  } catch (const std::exception&) {
+    ms = -1;
+  }
+  if (ms < 0 || ms > 600000) {
+    throw ConfigError(fmt::format("{}={} (a test hook): expected milliseconds in [0, 600000]",
+                                  variable, text));
+  }
+  return std::chrono::milliseconds(ms);
+}
+
 }  // namespace fsdp_train

@@ -9,10 +9,17 @@
 //       pipeline schedule; "save", before the checkpoint save (fsdp::dcp)
 //       and its first collective; tools/fsdp-train/tests/stall-check.sh)
 //
+//   FSDP_TRAIN_MIN_STEP_MS=<ms>  every step takes at least <ms> milliseconds
+//       of wall time (each rank sleeps out the rest before the stop check):
+//       paces a run for tests against wall-clock events, such as Slurm's
+//       time limit (ci/slurm/tests/time-limit-check.sh); the numbers do not
+//       change
+//
 // Every rank reads the same environment, so a bad value is a ConfigError
 // naming the variable and the accepted form on every rank.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -30,5 +37,9 @@ struct HookSpec {
 
 // Reads `variable`; `points` are the names it accepts.
 HookSpec read_hook(const char* variable, const std::vector<std::string>& points);
+
+// Reads `variable` as a whole number of milliseconds in [0, 600000] (0 when
+// unset).
+std::chrono::milliseconds read_min_step(const char* variable);
 
 }  // namespace fsdp_train

@@ -8,7 +8,9 @@
 # (no step lost, none trained twice). SIG (default TERM) picks the signal.
 # B runs as a Slurm job would see itself (SLURM_JOB_ID, ... in the
 # environment; restart 0, then 1 for the resume, as after a requeue): the
-# first log line and <out>/runs.jsonl must record them.
+# first log line and <out>/runs.jsonl must record them. Under srun (MPIEXEC
+# is srun: cmake/Launcher.cmake) the job is a real one: its own id and node
+# list are expected, and only the restart count is set here.
 #
 #   tools/fsdp-train/tests/stop-check.sh <fsdp-train> <work dir> [extra fsdp-train flags]
 #
@@ -31,7 +33,13 @@ run "$work/a.log" --steps "$steps" --out "$a"
 expect "uninterrupted run" zero "^trained $steps steps" "$work/a.log"
 
 echo "== B: the same, SIG$sig to the last rank once 3 steps are logged"
-export SLURM_JOB_ID=4242 SLURM_STEP_ID=0 SLURM_JOB_NODELIST='sim[1-2]' SLURM_RESTART_COUNT=0
+if [ "$(basename "$mpiexec")" = srun ]; then
+  job_id="${SLURM_JOB_ID:?srun outside an allocation}" node_list="${SLURM_JOB_NODELIST:?}"
+  export SLURM_RESTART_COUNT=0
+else
+  job_id=4242 node_list='sim[1-2]'
+  export SLURM_JOB_ID=$job_id SLURM_STEP_ID=0 SLURM_JOB_NODELIST=$node_list SLURM_RESTART_COUNT=0
+fi
 set +e
 timeout -k 5 120 "$mpiexec" -n "$np" "${mpiexec_flags[@]}" "$train" "${common[@]}" \
   --steps "$steps" --out "$b" >"$work/b.log" 2>&1 &
@@ -82,16 +90,18 @@ rows=$(($(wc -l <"$b/loss.csv") - 1))
 
 echo "== B: --resume to $steps (restart 1)"
 SLURM_RESTART_COUNT=1 run "$work/resume.log" --steps "$steps" --out "$b" --resume
-unset SLURM_JOB_ID SLURM_STEP_ID SLURM_JOB_NODELIST SLURM_RESTART_COUNT
+unset SLURM_RESTART_COUNT
+[ "$(basename "$mpiexec")" = srun ] || unset SLURM_JOB_ID SLURM_STEP_ID SLURM_JOB_NODELIST
+node_re=$(sed 's/[][.]/\\&/g' <<<"$node_list")
 expect "resumed run's first line" zero \
-  "^fsdp-train: .* \| slurm job 4242 step 0, nodes sim\[1-2\], restart 1$" "$work/resume.log"
+  "^fsdp-train: .* \| slurm job $job_id step [0-9]+, nodes $node_re, restart 1$" "$work/resume.log"
 # One line per start: restart 0 from scratch, restart 1 from the stopped step.
-if python3 - "$b/runs.jsonl" "$stopped" <<'PY'
+if python3 - "$b/runs.jsonl" "$stopped" "$job_id" "$node_list" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 want = [(0, 0), (1, int(sys.argv[2]))]
 got = [(r["slurm"]["restart_count"], r["resumed_from_step"]) for r in runs]
-ok = got == want and all(r["slurm"]["job_id"] == "4242" and r["slurm"]["node_list"] == "sim[1-2]"
+ok = got == want and all(r["slurm"]["job_id"] == sys.argv[3] and r["slurm"]["node_list"] == sys.argv[4]
                          for r in runs)
 print(("ok" if ok else "FAIL") + f": runs.jsonl (restart, resumed from step): {got}, expected {want}")
 sys.exit(0 if ok else 1)
