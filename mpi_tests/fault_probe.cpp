@@ -15,12 +15,17 @@
 //   fault_probe hpz        the last rank sleeps while the others switch a
 //                          sharded model to hpZ (set_reshard_after_forward(
 //                          within_node()), which splits communicators)
+//   fault_probe stop_stuck every rank has a fsdp::GracefulStop (stuck_seconds
+//                          2); rank 0 receives SIGTERM, the last rank
+//                          sleeps: the watchdog must end the job ~2 s after
+//                          the signal, not at FSDP_TIMEOUT
 //
 // Exit status: 0 if the collective completed (a failed test), 3 if the
 // library threw (printed as "fault_probe: rank R caught <type>: <what>").
 #include <fsdp/comm.h>
 #include <fsdp/errors.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/graceful_stop.h>
 #include <fsdp/mesh.h>
 #include <fsdp/runtime.h>
 
@@ -38,8 +43,8 @@
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode != "stall" && mode != "sigstop" && mode != "mismatch" && mode != "kill" &&
-      mode != "segv" && mode != "unit" && mode != "hpz") {
-    std::cerr << "usage: fault_probe stall|sigstop|mismatch|kill|segv|unit|hpz\n";
+      mode != "segv" && mode != "unit" && mode != "hpz" && mode != "stop_stuck") {
+    std::cerr << "usage: fault_probe stall|sigstop|mismatch|kill|segv|unit|hpz|stop_stuck\n";
     return 2;
   }
   fsdp::RuntimeOptions options;
@@ -51,6 +56,16 @@ int main(int argc, char** argv) {
   at::Tensor t = at::ones({1024});
   group->all_reduce(t);
   const bool faulty = rt.world_rank() == n - 1;
+  if (mode == "stop_stuck") {
+    fsdp::GracefulStopOptions stop_options;
+    stop_options.stuck_seconds = 2;
+    fsdp::GracefulStop stop(stop_options);
+    if (faulty) std::this_thread::sleep_for(std::chrono::hours(1));
+    if (rt.world_rank() == 0) std::raise(SIGTERM);  // recorded, not fatal
+    group->all_reduce(t);
+    std::cerr << "fault_probe: rank " << rt.world_rank() << ": the collective completed\n";
+    return 0;
+  }
   if (mode == "unit") {
     torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::ReLU(),
                               torch::nn::Linear(64, 64));

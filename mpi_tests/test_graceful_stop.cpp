@@ -53,6 +53,12 @@ BOOST_AUTO_TEST_CASE(test_bad_input) {
       [] { fsdp::GracefulStop s(fsdp::GracefulStopOptions{{SIGKILL}}); }, "signals", "SIGKILL");
   l1::expect_error<fsdp::ArgumentError>(
       [] { fsdp::GracefulStop s(fsdp::GracefulStopOptions{{0}}); }, "signals", "signal 0");
+  l1::expect_error<fsdp::ArgumentError>(
+      [] { fsdp::GracefulStop s(fsdp::GracefulStopOptions{{SIGTERM}, -1}); }, "stuck_seconds",
+      "negative stuck_seconds");
+  l1::expect_error<fsdp::ArgumentError>(
+      [] { fsdp::GracefulStop s(fsdp::GracefulStopOptions{{SIGTERM}, std::nan("")}); },
+      "stuck_seconds", "NaN stuck_seconds");
   fsdp::GracefulStop first;
   l1::expect_error<fsdp::StateError>([] { fsdp::GracefulStop second; }, "another GracefulStop",
                                      "two alive");

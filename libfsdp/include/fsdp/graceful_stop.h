@@ -30,6 +30,15 @@ struct GracefulStopOptions {
   // Signals that request the stop. Their previous handlers are restored when
   // the GracefulStop is destroyed.
   std::vector<int> signals{SIGTERM, SIGUSR1};
+  // After a signal, a collective of this rank still in flight this many
+  // seconds later (and in flight that long) means a peer exited or is stuck
+  // and will never reach the stop: the watchdog then ends the job at once,
+  // naming the signal and the collective (exit status 124), instead of
+  // this rank waiting for the launcher's SIGKILL (Slurm: KillWait, 30 s by
+  // default, after its SIGTERM) or FSDP_TIMEOUT. Keep it below KillWait and
+  // above the longest collective of a stop (the checkpoint save's); 0 turns
+  // it off. ArgumentError naming "stuck_seconds" unless finite and >= 0.
+  double stuck_seconds = 25;
 };
 
 // One per process at a time. The handler only records the signal (an atomic

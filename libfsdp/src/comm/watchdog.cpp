@@ -15,8 +15,12 @@
 
 #include <mpi.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -50,6 +54,25 @@ struct Watchdog {
   std::thread thread;
 };
 Watchdog* g_watchdog = nullptr;
+
+// The graceful stop's watch (set_stop_watch): written by a signal handler,
+// so lock-free atomics; the time is CLOCK_MONOTONIC in ns (0: no signal).
+std::atomic<double> g_stop_stuck_seconds{0};
+std::atomic<int64_t> g_stop_signalled_ns{0};
+std::atomic<int> g_stop_signal{0};
+
+int64_t monotonic_ns() noexcept {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// Seconds since the stop signal, if one arrived and the watch is on.
+double seconds_since_stop_signal() {
+  const int64_t at = g_stop_signalled_ns.load();
+  if (at == 0 || g_stop_stuck_seconds.load() <= 0) return -1;
+  return static_cast<double>(monotonic_ns() - at) / 1e9;
+}
 
 struct AsyncErrorSources {
   std::mutex mu;
@@ -114,6 +137,30 @@ void abort_async_sources() noexcept {
      << describe_pending(pending.front()) << ": not complete after " << timeout
      << " s (FSDP_TIMEOUT); the other ranks of that group did not issue it, or issued another "
         "collective, or stopped";
+  for (size_t i = 1; i < pending.size(); ++i) {
+    os << "\n[libfsdp watchdog] rank " << rank << ": also pending: "
+       << describe_pending(pending[i]);
+  }
+  os << "\n[libfsdp watchdog] rank " << rank << ": aborting the job (MPI_Abort, exit status "
+     << kExitStatus << ")\n";
+  const std::string text = os.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+  abort_async_sources();
+  abort_job();
+}
+
+[[noreturn]] void report_stuck_after_stop_and_abort(const std::vector<PendingEntry>& pending,
+                                                    int rank, int size, double since_signal) {
+  const int sig = g_stop_signal.load();
+  const char* name = sig > 0 ? strsignal(sig) : nullptr;
+  std::ostringstream os;
+  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": stop requested by signal "
+     << sig << " (" << (name != nullptr ? name : "?") << ") " << since_signal
+     << " s ago, but " << describe_pending(pending.front())
+     << ": cannot finish: a peer exited or is stuck and will not reach the stop (GracefulStop's "
+        "stuck_seconds "
+     << g_stop_stuck_seconds.load() << " s)";
   for (size_t i = 1; i < pending.size(); ++i) {
     os << "\n[libfsdp watchdog] rank " << rank << ": also pending: "
        << describe_pending(pending[i]);
@@ -238,6 +285,12 @@ void start_watchdog(int world_rank, int world_size) {
       if (!pending.empty() && pending.front().seconds > timeout) {
         report_and_abort(pending, world_rank, world_size, timeout);
       }
+      if (const double since = seconds_since_stop_signal(); since >= 0 && !pending.empty()) {
+        const double stuck = g_stop_stuck_seconds.load();
+        if (since > stuck && pending.front().seconds > stuck) {
+          report_stuck_after_stop_and_abort(pending, world_rank, world_size, since);
+        }
+      }
       for (auto& source : live_sources()) {
         const std::string error = source->async_error();
         if (!error.empty()) report_async_error_and_abort(error, world_rank, world_size);
@@ -247,6 +300,18 @@ void start_watchdog(int world_rank, int world_size) {
       if (!fatal.empty()) report_fatal_error_and_abort(fatal, from, world_rank, world_size);
     }
   });
+}
+
+void set_stop_watch(double stuck_seconds) { g_stop_stuck_seconds.store(stuck_seconds); }
+
+void note_stop_signal(int signal) noexcept {
+  int64_t none = 0;
+  if (g_stop_signalled_ns.compare_exchange_strong(none, monotonic_ns())) g_stop_signal.store(signal);
+}
+
+void clear_stop_signal() noexcept {
+  g_stop_signalled_ns.store(0);
+  g_stop_signal.store(0);
 }
 
 void stop_watchdog() {

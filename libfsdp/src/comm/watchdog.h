@@ -40,4 +40,17 @@ class AsyncErrorSource {
 void register_async_error_source(const std::shared_ptr<AsyncErrorSource>& source);
 void unregister_async_error_source(const AsyncErrorSource* source);
 
+// fsdp::GracefulStop's watch: once a stop signal has arrived, a collective
+// in flight for longer than `stuck_seconds`, that long after the signal too,
+// ends the job as a timeout does, naming the signal. A stop is agreed at a
+// step boundary, so a rank still waiting then is waiting for a peer that
+// exited or is stuck: without this it would ignore the signal until the
+// launcher's SIGKILL (Slurm: KillWait after the SIGTERM) or FSDP_TIMEOUT.
+// 0 turns the watch off (and with FSDP_TIMEOUT=off there is no watchdog).
+void set_stop_watch(double stuck_seconds);
+// Async-signal-safe (lock-free atomics and clock_gettime only): a stop
+// signal arrived now; the first one since clear_stop_signal() counts.
+void note_stop_signal(int signal) noexcept;
+void clear_stop_signal() noexcept;
+
 }  // namespace fsdp::detail

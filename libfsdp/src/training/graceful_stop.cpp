@@ -1,6 +1,7 @@
 // GracefulStop: signals recorded by a handler, agreed on by an all-reduce.
 #include "fsdp/graceful_stop.h"
 
+#include "comm/watchdog.h"
 #include "fsdp/errors.h"
 #include "fsdp/mesh.h"
 
@@ -9,6 +10,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cmath>
 #include <string>
 
 namespace fsdp {
@@ -23,11 +25,17 @@ void on_signal(int sig) {
   int none = 0;
   g_signal.compare_exchange_strong(none, sig);
   g_requested.store(true);
+  detail::note_stop_signal(sig);
 }
 
 }  // namespace
 
 GracefulStop::GracefulStop(GracefulStopOptions options) : signals_(std::move(options.signals)) {
+  if (!std::isfinite(options.stuck_seconds) || options.stuck_seconds < 0) {
+    throw ArgumentError("stuck_seconds", "GracefulStop: 'stuck_seconds' = " +
+                                             std::to_string(options.stuck_seconds) +
+                                             "; accepted: a finite number of seconds >= 0 (0: off)");
+  }
   if (signals_.empty()) {
     throw ArgumentError("signals", "GracefulStop: 'signals' is empty; accepted: one or more "
                                    "signal numbers (default SIGTERM and SIGUSR1)");
@@ -47,6 +55,8 @@ GracefulStop::GracefulStop(GracefulStopOptions options) : signals_(std::move(opt
   }
   g_signal.store(0);
   g_requested.store(false);
+  detail::clear_stop_signal();
+  detail::set_stop_watch(options.stuck_seconds);
   struct sigaction action {};
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
@@ -61,6 +71,8 @@ GracefulStop::GracefulStop(GracefulStopOptions options) : signals_(std::move(opt
 
 GracefulStop::~GracefulStop() {
   for (size_t i = 0; i < signals_.size(); ++i) sigaction(signals_[i], &previous_[i], nullptr);
+  detail::set_stop_watch(0);
+  detail::clear_stop_signal();
   g_alive.store(false);
 }
 
