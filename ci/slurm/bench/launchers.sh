@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Step time under srun against mpirun on the same simulated Slurm nodes
+# (ci/slurm/cluster must be up): inside one allocation (-N 2, 2 tasks per
+# node), `fsdp-bench train` runs alternately as
+#   srun --mpi=pmix -n 4 fsdp-bench train ...         (Open MPI started by Slurm's PMIx)
+#   mpirun -n 4 --bind-to none fsdp-bench train ...   (Open MPI's own launcher in the allocation)
+# ROUNDS times each, and the table gives, per config, the median over the
+# rounds of fsdp-bench's median step time and the ratio srun / mpirun.
+#
+#   ci/slurm/bench/launchers.sh <fsdp-bench> [rounds] [fsdp-bench train args...]
+#
+# Env: FSDP_SLURM_STATE (default /var/lib/fsdp-slurm-sim), the cluster's
+# state directory. Example (the numbers in docs/slurm.md):
+#   FSDP_SLURM_STATE=build/slurm-sim ci/slurm/bench/launchers.sh \
+#     build/tools/fsdp-bench/fsdp-bench 5 --configs fsdp,hsdp --steps 20
+set -euo pipefail
+bench="$(realpath "${1:?usage: $0 <fsdp-bench> [rounds] [fsdp-bench train args...]}")"
+rounds="${2:-5}"
+shift 2 || shift $#
+args=("$@")
+[ ${#args[@]} -gt 0 ] || args=(--configs fsdp,hsdp --steps 20 --warmup 3)
+state="${FSDP_SLURM_STATE:-/var/lib/fsdp-slurm-sim}"
+# shellcheck disable=SC1091
+source "$state/env"
+export FSDP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+out="$(mktemp -d "$PWD/.launchers-bench.XXXX")"
+trap 'rm -rf "$out"' EXIT
+# The rounds run inside one allocation, so both launchers get the same nodes.
+salloc -N 2 --ntasks-per-node 2 --quiet bash -c '
+  set -e
+  for r in $(seq 1 "$1"); do
+    srun --mpi=pmix -n 4 "$2" train "${@:4}" --json "$3/srun-$r.json" >/dev/null
+    mpirun -n 4 --bind-to none "$2" train "${@:4}" --json "$3/mpirun-$r.json" >/dev/null
+    echo "  round $r of $1 done" >&2
+  done' _ "$rounds" "$bench" "$out" "${args[@]}"
+python3 - "$out" "$rounds" <<'PY'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+ms = {}
+for launcher in ("srun", "mpirun"):
+    for r in range(1, rounds + 1):
+        for row in json.load(open(f"{out}/{launcher}-{r}.json"))["rows"]:
+            ms.setdefault(row["config"], {}).setdefault(launcher, []).append(row["step_ms"])
+print(f"# step time, median over {rounds} alternating rounds of fsdp-bench's median (ms), 2 nodes x 2 ranks")
+print(f"{'config':>12} {'srun':>9} {'mpirun':>9} {'srun/mpirun':>12}")
+for config, by in ms.items():
+    s, m = statistics.median(by["srun"]), statistics.median(by["mpirun"])
+    print(f"{config:>12} {s:9.1f} {m:9.1f} {s / m:12.3f}")
+PY
