@@ -92,7 +92,7 @@ echo "== B: --resume to $steps (restart 1)"
 SLURM_RESTART_COUNT=1 run "$work/resume.log" --steps "$steps" --out "$b" --resume
 unset SLURM_RESTART_COUNT
 [ "$(basename "$mpiexec")" = srun ] || unset SLURM_JOB_ID SLURM_STEP_ID SLURM_JOB_NODELIST
-node_re=$(sed 's/[][.]/\\&/g' <<<"$node_list")
+node_re=$(sed 's/[].[]/\\&/g' <<<"$node_list")
 expect "resumed run's first line" zero \
   "^fsdp-train: .* \| slurm job $job_id step [0-9]+, nodes $node_re, restart 1$" "$work/resume.log"
 # One line per start: restart 0 from scratch, restart 1 from the stopped step.
