@@ -28,9 +28,12 @@ trap 'rm -rf "$out"' EXIT
 # The rounds run inside one allocation, so both launchers get the same nodes.
 salloc -N 2 --ntasks-per-node 2 --quiet bash -c '
   set -e
+  run_srun() { srun --mpi=pmix -n 4 "$2" train "${@:4}" --json "$3/srun-$r.json" >/dev/null; }
+  run_mpirun() { mpirun -n 4 --bind-to none "$2" train "${@:4}" --json "$3/mpirun-$r.json" >/dev/null; }
   for r in $(seq 1 "$1"); do
-    srun --mpi=pmix -n 4 "$2" train "${@:4}" --json "$3/srun-$r.json" >/dev/null
-    mpirun -n 4 --bind-to none "$2" train "${@:4}" --json "$3/mpirun-$r.json" >/dev/null
+    # Odd rounds srun first, even rounds mpirun first: neither always
+    # follows the other'"'"'s teardown.
+    if [ $((r % 2)) = 1 ]; then run_srun "$@"; run_mpirun "$@"; else run_mpirun "$@"; run_srun "$@"; fi
     echo "  round $r of $1 done" >&2
   done' _ "$rounds" "$bench" "$out" "${args[@]}"
 python3 - "$out" "$rounds" <<'PY'
@@ -46,4 +49,7 @@ print(f"{'config':>12} {'srun':>9} {'mpirun':>9} {'srun/mpirun':>12}")
 for config, by in ms.items():
     s, m = statistics.median(by["srun"]), statistics.median(by["mpirun"])
     print(f"{config:>12} {s:9.1f} {m:9.1f} {s / m:12.3f}")
+print("# per round (srun / mpirun, ms): " + "; ".join(
+    f"{c}: " + " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(by["srun"], by["mpirun"]))
+    for c, by in ms.items()))
 PY
