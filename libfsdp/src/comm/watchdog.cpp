@@ -130,13 +130,12 @@ void abort_async_sources() noexcept {
   print_pending_and_abort(os.str(), rank);
 }
 
-[[noreturn]] void report_and_abort(const std::vector<PendingEntry>& pending, int rank, int size,
-                                   double timeout) {
+// Prints `headline` (about pending.front()), the rest of `pending`, and ends
+// the job.
+[[noreturn]] void report_pending_and_abort(const std::string& headline,
+                                           const std::vector<PendingEntry>& pending, int rank) {
   std::ostringstream os;
-  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": "
-     << describe_pending(pending.front()) << ": not complete after " << timeout
-     << " s (FSDP_TIMEOUT); the other ranks of that group did not issue it, or issued another "
-        "collective, or stopped";
+  os << headline;
   for (size_t i = 1; i < pending.size(); ++i) {
     os << "\n[libfsdp watchdog] rank " << rank << ": also pending: "
        << describe_pending(pending[i]);
@@ -150,6 +149,16 @@ void abort_async_sources() noexcept {
   abort_job();
 }
 
+[[noreturn]] void report_and_abort(const std::vector<PendingEntry>& pending, int rank, int size,
+                                   double timeout) {
+  std::ostringstream os;
+  os << "[libfsdp watchdog] rank " << rank << " of " << size << ": "
+     << describe_pending(pending.front()) << ": not complete after " << timeout
+     << " s (FSDP_TIMEOUT); the other ranks of that group did not issue it, or issued another "
+        "collective, or stopped";
+  report_pending_and_abort(os.str(), pending, rank);
+}
+
 [[noreturn]] void report_stuck_after_stop_and_abort(const std::vector<PendingEntry>& pending,
                                                     int rank, int size, double since_signal) {
   const int sig = g_stop_signal.load();
@@ -161,17 +170,7 @@ void abort_async_sources() noexcept {
      << ": cannot finish: a peer exited or is stuck and will not reach the stop (GracefulStop's "
         "stuck_seconds "
      << g_stop_stuck_seconds.load() << " s)";
-  for (size_t i = 1; i < pending.size(); ++i) {
-    os << "\n[libfsdp watchdog] rank " << rank << ": also pending: "
-       << describe_pending(pending[i]);
-  }
-  os << "\n[libfsdp watchdog] rank " << rank << ": aborting the job (MPI_Abort, exit status "
-     << kExitStatus << ")\n";
-  const std::string text = os.str();
-  std::fwrite(text.data(), 1, text.size(), stderr);
-  std::fflush(stderr);
-  abort_async_sources();
-  abort_job();
+  report_pending_and_abort(os.str(), pending, rank);
 }
 
 // Another rank announced a fatal error (announce_fatal_error): its text, or
