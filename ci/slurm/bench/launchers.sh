@@ -10,7 +10,8 @@
 #   ci/slurm/bench/launchers.sh <fsdp-bench> [rounds] [fsdp-bench train args...]
 #
 # Env: FSDP_SLURM_STATE (default /var/lib/fsdp-slurm-sim), the cluster's
-# state directory. Example (the numbers in docs/slurm.md):
+# state directory; TASKS_PER_NODE (default 2; 1 leaves a core per rank on a
+# 2-core machine). Example (the numbers in docs/slurm.md):
 #   FSDP_SLURM_STATE=build/slurm-sim ci/slurm/bench/launchers.sh \
 #     build/tools/fsdp-bench/fsdp-bench 5 --configs fsdp,hsdp --steps 20
 set -euo pipefail
@@ -26,25 +27,27 @@ export FSDP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 out="$(mktemp -d "$PWD/.launchers-bench.XXXX")"
 trap 'rm -rf "$out"' EXIT
 # The rounds run inside one allocation, so both launchers get the same nodes.
-salloc -N 2 --ntasks-per-node 2 --quiet bash -c '
+ppn="${TASKS_PER_NODE:-2}"
+np=$((2 * ppn))
+salloc -N 2 --ntasks-per-node "$ppn" --quiet bash -c '
   set -e
-  run_srun() { srun --mpi=pmix -n 4 "$2" train "${@:4}" --json "$3/srun-$r.json" >/dev/null; }
-  run_mpirun() { mpirun -n 4 --bind-to none "$2" train "${@:4}" --json "$3/mpirun-$r.json" >/dev/null; }
+  run_srun() { srun --mpi=pmix -n "$4" "$2" train "${@:5}" --json "$3/srun-$r.json" >/dev/null; }
+  run_mpirun() { mpirun -n "$4" --bind-to none "$2" train "${@:5}" --json "$3/mpirun-$r.json" >/dev/null; }
   for r in $(seq 1 "$1"); do
     # Odd rounds srun first, even rounds mpirun first: neither always
     # follows the other'"'"'s teardown.
     if [ $((r % 2)) = 1 ]; then run_srun "$@"; run_mpirun "$@"; else run_mpirun "$@"; run_srun "$@"; fi
     echo "  round $r of $1 done" >&2
-  done' _ "$rounds" "$bench" "$out" "${args[@]}"
-python3 - "$out" "$rounds" <<'PY'
+  done' _ "$rounds" "$bench" "$out" "$np" "${args[@]}"
+python3 - "$out" "$rounds" "$ppn" <<'PY'
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, ppn = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ms = {}
 for launcher in ("srun", "mpirun"):
     for r in range(1, rounds + 1):
         for row in json.load(open(f"{out}/{launcher}-{r}.json"))["rows"]:
             ms.setdefault(row["config"], {}).setdefault(launcher, []).append(row["step_ms"])
-print(f"# step time, median over {rounds} alternating rounds of fsdp-bench's median (ms), 2 nodes x 2 ranks")
+print(f"# step time, median over {rounds} alternating rounds of fsdp-bench's median (ms), 2 nodes x {ppn} rank(s)")
 print(f"{'config':>12} {'srun':>9} {'mpirun':>9} {'srun/mpirun':>12}")
 for config, by in ms.items():
     s, m = statistics.median(by["srun"]), statistics.median(by["mpirun"])

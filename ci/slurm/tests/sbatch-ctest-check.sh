@@ -12,8 +12,9 @@
 # Env: FSDP_SLURM_STATE (ci/slurm/tests/slurm-lib.sh); SBATCH_CTEST_LABELS
 # (default L0|example: the communication, fault and runtime suites, the
 # examples and fsdp-train's short runs), SBATCH_CTEST_TARGETS (the build
-# targets they need), MIN_TESTS (default 40), FSDP_CMAKE_ARGS (passed on:
-# the same compile flags as the main build let ccache serve the objects).
+# targets they need), MIN_TESTS (default 40), FSDP_CMAKE_ARGS (default
+# ci/build.sh's -DFSDP_WARNINGS_AS_ERRORS=ON: the same compile flags as the
+# main build let ccache serve the objects).
 set -euo pipefail
 src="${1:?usage: $0 <source dir> <build dir> <work dir>}"
 build="${2:?usage: $0 <source dir> <build dir> <work dir>}"
@@ -21,6 +22,8 @@ work="${3:?usage: $0 <source dir> <build dir> <work dir>}"
 labels="${SBATCH_CTEST_LABELS:-L0|example}"
 targets="${SBATCH_CTEST_TARGETS:-fsdp_suites_L0 train_mlp train_tp train_pp train_moe fsdp-train}"
 min_tests="${MIN_TESTS:-40}"
+# ci/build.sh's flags: the same compile commands, so ccache has the objects.
+export FSDP_CMAKE_ARGS="${FSDP_CMAKE_ARGS:--DFSDP_WARNINGS_AS_ERRORS=ON}"
 train=/bin/true  # slurm-lib.sh checks a program; this check runs none of its own
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 rm -rf "$work"
