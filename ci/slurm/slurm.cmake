@@ -65,12 +65,14 @@ fsdp_add_slurm_test(NAME slurm_cluster_down FIXTURE_CLEANUP TIMEOUT 60
   COMMAND ${FSDP_SLURM_CLUSTER} down --state ${FSDP_SLURM_STATE})
 
 # What users submit: ci/slurm/gpu4.sbatch --cpu configures a build of its own
-# (${CMAKE_BINARY_DIR}/slurm-ctest-build) with srun as the CTest launcher,
-# builds the suites it runs (ccache serves this build's objects) and runs
-# ctest -L cpu -L 'L0|example' inside a 2-node allocation.
+# with srun as the CTest launcher, builds the suites it runs and runs
+# ctest -L cpu -L 'L0|example' inside a 2-node allocation. Its build tree is
+# a sibling of this one, at the same depth below the source: with ccache's
+# base_dir (.ci/run sets CCACHE_BASEDIR) the compile commands are then the
+# same and ccache serves this build's objects.
 fsdp_add_slurm_test(NAME slurm_sbatch_ctest TIMEOUT 1200
   COMMAND ${FSDP_SLURM_TESTS}/sbatch-ctest-check.sh ${PROJECT_SOURCE_DIR}
-          ${CMAKE_BINARY_DIR}/slurm-ctest-build ${CMAKE_CURRENT_BINARY_DIR}/slurm-sbatch-ctest)
+          ${CMAKE_BINARY_DIR}-slurm-ctest ${CMAKE_CURRENT_BINARY_DIR}/slurm-sbatch-ctest)
 
 # name:timeout. srun_train: 2 x (6 steps + verify); scancel: a stopped job,
 # its resume and the straight run; time_limit: train.sbatch with a 1-minute
