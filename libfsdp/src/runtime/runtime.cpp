@@ -351,9 +351,9 @@ void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
   } catch (const Error&) {
     failure = std::current_exception();
   }
-  const int mine = failure ? world_rank_ : -1;
+  const int my_failure = failure ? world_rank_ : -1;
   int failed = -1;
-  detail::check_mpi(MPI_Allreduce(&mine, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD),
+  detail::check_mpi(MPI_Allreduce(&my_failure, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD),
                     "MPI_Allreduce (device choice)");
   if (failure) std::rethrow_exception(failure);
   if (failed >= 0) {
