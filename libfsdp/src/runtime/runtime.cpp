@@ -326,27 +326,30 @@ int Runtime::node_of(int world_rank) const {
 // world, the ids are gathered over the node), so a refusal throws on all of
 // them instead of leaving some waiting.
 void Runtime::bind_device(const RuntimeOptions& options, MPI_Comm node) {
-  detail::DeviceRequest request = detail::DeviceRequest::Auto;
-  if (options.device) {
-    if (*options.device != c10::kCPU && *options.device != c10::kCUDA) {
-      throw ArgumentError("device", "RuntimeOptions::device = " +
-                                        c10::DeviceTypeName(*options.device, true) +
-                                        "; accepted: kCPU, kCUDA (unset: $FSDP_DEVICE or auto)");
-    }
-    request = *options.device == c10::kCPU ? detail::DeviceRequest::Cpu
-                                           : detail::DeviceRequest::Cuda;
-  } else if (const char* env = std::getenv("FSDP_DEVICE"); env != nullptr && *env != '\0') {
-    request = detail::parse_device_request(env, "FSDP_DEVICE");
-  }
+  // Every error up to the device choice is caught and agreed on below: a
+  // setting bad on one rank only (its FSDP_DEVICE) must not leave the others
+  // waiting in the agreement.
   const auto cuda_devices = static_cast<int>(torch::cuda::device_count());
-  // The choice follows what Slurm gave the task (CUDA_VISIBLE_DEVICES,
-  // SLURM_*); a task Slurm gave no GPU, or ranks sharing a node-wide list,
-  // fail here with the srun option that fixes it.
-  const detail::SlurmGpuFacts facts =
-      detail::read_slurm_gpu_facts([](const char* name) { return std::getenv(name); });
   detail::DeviceChoice choice;
   std::exception_ptr failure;
   try {
+    detail::DeviceRequest request = detail::DeviceRequest::Auto;
+    if (options.device) {
+      if (*options.device != c10::kCPU && *options.device != c10::kCUDA) {
+        throw ArgumentError("device", "RuntimeOptions::device = " +
+                                          c10::DeviceTypeName(*options.device, true) +
+                                          "; accepted: kCPU, kCUDA (unset: $FSDP_DEVICE or auto)");
+      }
+      request = *options.device == c10::kCPU ? detail::DeviceRequest::Cpu
+                                             : detail::DeviceRequest::Cuda;
+    } else if (const char* env = std::getenv("FSDP_DEVICE"); env != nullptr && *env != '\0') {
+      request = detail::parse_device_request(env, "FSDP_DEVICE");
+    }
+    // The choice follows what Slurm gave the task (CUDA_VISIBLE_DEVICES,
+    // SLURM_*); a task Slurm gave no GPU, or ranks sharing a node-wide list,
+    // fail here with the srun option that fixes it.
+    const detail::SlurmGpuFacts facts =
+        detail::read_slurm_gpu_facts([](const char* name) { return std::getenv(name); });
     choice = detail::explain_device_choice(request, local_rank_, local_size_, cuda_devices, facts);
   } catch (const Error&) {
     failure = std::current_exception();
