@@ -55,10 +55,13 @@ int run(int argc, char** argv) {
 
   auto* verify = app.add_subcommand("verify", "read and check every piece of every tensor");
   verify->footer(
-      "Checks the index's checksum, the rank files' sizes, that the pieces tile each tensor, "
-      "and reads every piece (HDF5 Fletcher-32 checksums). Prints 'OK <path>: N tensors, B "
-      "bytes verified' (exit 0), or one line per problem and 'FAILED <path>: K problems' "
-      "(exit 1). Not a checkpoint: exit 2.");
+      "Runs every check a load runs: the index (checksum, rank file names inside the "
+      "checkpoint, pieces inside their tensors and tiling them, sizes within the files), each "
+      "rank file (a regular file inside the directory, of the size written), every piece read "
+      "block by block (HDF5 Fletcher-32 checksums; stored as written, of the index's dtype), "
+      "and no NaN or infinity in parameters and optimizer state. Prints 'OK <path>: N tensors, "
+      "B bytes verified' (exit 0), or one line per problem, each saying what a load does about "
+      "it, and 'FAILED <path>: K problems' (exit 1). Not a checkpoint: exit 2.");
   verify->add_option("dir", dir, "checkpoint or root")->required();
 
   ExportArgs ex;

@@ -6,6 +6,7 @@
 #include "checkpoint/index.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +31,26 @@ std::string step_dir(const std::string& root, int64_t step) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "step-%012lld", static_cast<long long>(step));
   return root + "/" + buf;
+}
+
+std::string rank_file(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank-%05d.h5", rank);
+  return buf;
+}
+
+bool is_rank_file(const std::string& name, int world_size) {
+  const std::string head = "rank-", tail = ".h5";
+  if (name.size() < head.size() + 5 + tail.size() || name.size() > head.size() + 10 + tail.size() ||
+      name.compare(0, head.size(), head) != 0 ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
+    return false;
+  }
+  const std::string digits = name.substr(head.size(), name.size() - head.size() - tail.size());
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  const long long rank = std::stoll(digits);
+  // Only the spelling rank_file gives: "rank-1.h5" or "rank-000001.h5" is no rank file.
+  return rank < world_size && rank_file(static_cast<int>(rank)) == name;
 }
 
 int64_t step_of(const std::string& name) {
@@ -70,6 +91,92 @@ int64_t file_size(const std::string& path) {
 bool exists(const std::string& path) {
   std::error_code ec;
   return fs::exists(path, ec);
+}
+
+std::string contained_file(const std::string& dir, const std::string& name, const std::string& what) {
+  const auto corrupt = [&](const std::string& why) {
+    throw CheckpointError(Kind::Corrupt, "", name, dir + ": " + what + " '" + name + "' " + why);
+  };
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+      name.find('\0') != std::string::npos) {
+    corrupt("is not a plain file name inside the checkpoint directory");
+  }
+  const std::string path = dir + "/" + name;
+  std::error_code ec;
+  const fs::file_status link = fs::symlink_status(path, ec);
+  if (ec || !fs::exists(link)) {
+    throw CheckpointError(Kind::Incomplete, "", name, dir + ": " + what + " " + name + " is missing");
+  }
+  if (fs::is_symlink(link)) {
+    // A link may point within the checkpoint (a copy made with cp -s), never out of it.
+    const fs::path target = fs::weakly_canonical(path, ec);
+    const fs::path home = fs::canonical(dir, ec);
+    if (ec || target.parent_path() != home) {
+      corrupt("is a symbolic link to " + (ec ? std::string("an unresolvable path") : target.string()) +
+              ", outside the checkpoint directory");
+    }
+  }
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) {
+    throw CheckpointError(Kind::Incomplete, "", name, dir + ": " + what + " " + name + " is missing");
+  }
+  if (!fs::is_regular_file(st)) {
+    const char* what = fs::is_directory(st)         ? "a directory"
+                       : fs::is_fifo(st)            ? "a FIFO"
+                       : fs::is_character_file(st)  ? "a character device"
+                       : fs::is_block_file(st)      ? "a block device"
+                       : fs::is_socket(st)          ? "a socket"
+                                                    : "not a regular file";
+    corrupt(std::string("is ") + what + ", not a regular file");
+  }
+  return path;
+}
+
+void check_rank_file(const std::string& dir, const std::string& name, int64_t bytes,
+                     const std::string& shown) {
+  const int64_t size = file_size(contained_file(dir, name));
+  if (size != bytes) {
+    throw CheckpointError(Kind::Corrupt, "", name,
+                          shown + ": rank file " + name + " has " + std::to_string(size) +
+                              " bytes; " + std::to_string(bytes) + " were written" +
+                              (size < bytes ? " (truncated)" : ""));
+  }
+}
+
+std::string read_bounded(const std::string& path, int64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      throw CheckpointError(Kind::NotFound, "", path, path + " does not exist");
+    }
+    io_error("cannot open", path, err);
+  }
+  struct stat st {};
+  std::string text;
+  const auto fail = [&](Kind kind, const std::string& why) {
+    ::close(fd);
+    throw CheckpointError(kind, "", path, path + " " + why);
+  };
+  if (::fstat(fd, &st) != 0) fail(Kind::Io, std::string("cannot be examined: ") + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) fail(Kind::Corrupt, "is not a regular file");
+  if (st.st_size > max_bytes) {
+    fail(Kind::Corrupt, "has " + std::to_string(st.st_size) + " bytes; at most " +
+                            std::to_string(max_bytes) + " are accepted");
+  }
+  text.resize(static_cast<size_t>(st.st_size));
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail(Kind::Io, std::string("cannot be read: ") + std::strerror(errno));
+    if (n == 0) break;  // shrank while read: what is there is what the parse sees
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  text.resize(got);
+  return text;
 }
 
 void write_text(const std::string& path, const std::string& text, bool sync) {
@@ -115,22 +222,30 @@ void prune(const std::string& root, int keep) {
   }
 }
 
+std::vector<StepDir> list_step_dirs(const std::string& root) {
+  std::vector<StepDir> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const int64_t step = step_of(e.path().filename().string());
+    std::error_code dir_ec;
+    if (step >= 0 && e.is_directory(dir_ec)) {
+      const std::string path = e.path().string();
+      found.push_back({step, path, exists(path + "/" + kIndexFile)});
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.step > b.step; });
+  return found;
+}
+
 }  // namespace fsdp::dcp::detail
 
 namespace fsdp::dcp {
 
 std::vector<std::string> list_checkpoints(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> found;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const int64_t step = detail::step_of(e.path().filename().string());
-    if (step >= 0 && detail::exists(e.path().string() + "/" + detail::kIndexFile)) {
-      found.emplace_back(step, e.path().string());
-    }
-  }
-  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<std::string> out;
-  for (auto& f : found) out.push_back(std::move(f.second));
+  for (auto& s : detail::list_step_dirs(dir)) {
+    if (s.has_index) out.push_back(std::move(s.path));
+  }
   return out;
 }
 

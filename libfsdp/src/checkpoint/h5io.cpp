@@ -3,8 +3,14 @@
 
 #include <ATen/ops/empty.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 namespace fsdp::dcp::detail {
 
@@ -45,6 +51,25 @@ std::string hdf5_error() {
   return msg.empty() ? "HDF5 error" : msg;
 }
 
+Handle self_contained_access() {
+  Handle dapl(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose);
+  H5Pset_elink_cb(
+      dapl.get(),
+      [](const char*, const char*, const char*, const char*, unsigned*, hid_t, void*) -> herr_t {
+        return -1;
+      },
+      nullptr);
+  return dapl;
+}
+
+std::string foreign_storage(hid_t dataset) {
+  Handle dcpl(H5Dget_create_plist(dataset), H5Pclose);
+  if (!dcpl.valid()) return "its creation properties cannot be read";
+  if (H5Pget_layout(dcpl.get()) == H5D_VIRTUAL) return "it is a virtual dataset (data in other files)";
+  if (H5Pget_external_count(dcpl.get()) != 0) return "its data is stored in external files";
+  return "";
+}
+
 namespace {
 
 [[noreturn]] void fail(CheckpointError::Kind kind, const std::string& tensor,
@@ -60,8 +85,10 @@ constexpr int64_t kBlockBytes = int64_t{4} << 20;
 // Dataset access without HDF5's chunk cache: whole blocks then go straight
 // between the file and our buffers (through the filter) instead of through
 // a 1 MiB cache that holds less than one block.
+// External links are refused: a dataset path in a checkpoint must not lead
+// into another file.
 Handle uncached_access() {
-  Handle dapl(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose);
+  Handle dapl = self_contained_access();
   H5Pset_chunk_cache(dapl.get(), 0, 0, 1.0);
   return dapl;
 }
@@ -158,15 +185,28 @@ Handle create_file(const std::string& path) {
 
 Handle open_file(const std::string& path, const std::string& shown_as) {
   quiet_hdf5();
+  {
+    // The type before HDF5 opens it: opening a FIFO blocks, a device never ends.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT) {
+        throw CheckpointError(CheckpointError::Kind::Incomplete, "", shown_as,
+                              shown_as + " is missing");
+      }
+      throw CheckpointError(CheckpointError::Kind::Corrupt, "", shown_as,
+                            shown_as + " cannot be opened: " + std::strerror(errno));
+    }
+    struct stat st {};
+    const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    ::close(fd);
+    if (!regular) {
+      throw CheckpointError(CheckpointError::Kind::Corrupt, "", shown_as,
+                            shown_as + " is not a regular file");
+    }
+  }
   if (H5Fis_hdf5(path.c_str()) <= 0) {
     H5Eclear2(H5E_DEFAULT);
-    // Missing, unreadable or not HDF5 at all: tell the first from the rest.
-    if (FILE* fp = std::fopen(path.c_str(), "rb")) {
-      std::fclose(fp);
-      fail(CheckpointError::Kind::Corrupt, "", shown_as, shown_as + " is not a readable HDF5 file");
-    }
-    throw CheckpointError(CheckpointError::Kind::Incomplete, "", shown_as,
-                          shown_as + " is missing");
+    fail(CheckpointError::Kind::Corrupt, "", shown_as, shown_as + " is not a readable HDF5 file");
   }
   Handle f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!f.valid()) fail(CheckpointError::Kind::Corrupt, "", shown_as, "cannot open " + shown_as);
@@ -200,6 +240,43 @@ void write_piece(hid_t file, const std::string& path, const at::Tensor& data,
   }
 }
 
+namespace {
+
+// A piece is read only as this library writes it: chunked storage in this
+// file, Fletcher-32 its one filter (so every block read is checked, and no
+// filter plugin is ever loaded for it), the index's dtype.
+void check_as_written(hid_t ds, at::ScalarType dtype, const std::string& path,
+                      const std::string& tensor, const std::string& file_name) {
+  const auto refuse = [&](const std::string& why) {
+    throw CheckpointError(CheckpointError::Kind::Corrupt, tensor, file_name,
+                          file_name + ": dataset " + path + " of '" + tensor + "': " + why);
+  };
+  const std::string foreign = foreign_storage(ds);
+  if (!foreign.empty()) refuse(foreign);
+  Handle dcpl(H5Dget_create_plist(ds), H5Pclose);
+  if (H5Pget_layout(dcpl.get()) != H5D_CHUNKED) refuse("it is not stored in checksummed blocks");
+  const int filters = H5Pget_nfilters(dcpl.get());
+  unsigned flags = 0, config = 0;
+  size_t nvalues = 0;
+  const H5Z_filter_t filter =
+      filters == 1 ? H5Pget_filter2(dcpl.get(), 0, &flags, &nvalues, nullptr, 0, nullptr, &config)
+                   : H5Z_FILTER_ERROR;
+  if (filter != H5Z_FILTER_FLETCHER32) {
+    refuse("its filters are not exactly Fletcher-32 (" + std::to_string(filters) +
+           " filter(s)): its blocks are not checksummed as written");
+  }
+  Handle stored(H5Dget_type(ds), H5Tclose);
+  Handle want = h5_type(dtype);
+  if (!stored.valid() || H5Tequal(stored.get(), want.get()) <= 0) {
+    const size_t bytes = stored.valid() ? H5Tget_size(stored.get()) : 0;
+    refuse("it stores another element type (HDF5 class " +
+           std::to_string(stored.valid() ? static_cast<int>(H5Tget_class(stored.get())) : -1) +
+           ", " + std::to_string(bytes) + " bytes) than the index's " + dtype_name(dtype, tensor));
+  }
+}
+
+}  // namespace
+
 void read_piece(hid_t file, const std::string& path, const Box& stored, const Box& want,
                 at::Tensor& dst, const std::string& tensor, const std::string& file_name) {
   Handle dapl = uncached_access();
@@ -208,9 +285,14 @@ void read_piece(hid_t file, const std::string& path, const Box& stored, const Bo
     fail(CheckpointError::Kind::Incomplete, tensor, file_name,
          file_name + " lacks dataset " + path + " of '" + tensor + "'");
   }
+  check_as_written(ds.get(), dst.scalar_type(), path, tensor, file_name);
   Handle fspace(H5Dget_space(ds.get()), H5Sclose);
   const int ndim = H5Sget_simple_extent_ndims(fspace.get());
-  std::vector<hsize_t> extent(static_cast<size_t>(std::max(ndim, 0)));
+  if (ndim < 0 || ndim > 64) {
+    fail(CheckpointError::Kind::Corrupt, tensor, file_name,
+         file_name + ": dataset " + path + " of '" + tensor + "' has no readable extent");
+  }
+  std::vector<hsize_t> extent(static_cast<size_t>(ndim));
   H5Sget_simple_extent_dims(fspace.get(), extent.data(), nullptr);
   std::vector<int64_t> expect = stored.sizes;
   if (expect.empty()) expect = {1};

@@ -52,8 +52,15 @@ Handle h5_type(at::ScalarType t);
 // A file being written (newest format: checksummed metadata).
 Handle create_file(const std::string& path);
 // A file opened read-only; CheckpointError(Incomplete) if missing,
-// (Corrupt) if HDF5 cannot open it.
+// (Corrupt) if it is not a regular file (checked before opening: a FIFO or
+// device would block or never end) or HDF5 cannot open it.
 Handle open_file(const std::string& path, const std::string& shown_as);
+
+// Dataset access that refuses to follow external links (into other files).
+Handle self_contained_access();
+// Why `dataset` keeps its data outside its file (a virtual dataset,
+// external raw storage), or "" when it does not.
+std::string foreign_storage(hid_t dataset);
 
 // Writes `data` (contiguous CPU, of the piece's sizes) as dataset `path`
 // (intermediate groups created), chunked with Fletcher-32.
@@ -61,6 +68,9 @@ void write_piece(hid_t file, const std::string& path, const at::Tensor& data,
                  const std::string& tensor, const std::string& file_name);
 // Reads the part `want` of the piece stored at `path` (its box: `stored`)
 // into `dst` (contiguous CPU, of want's sizes and the piece's dtype).
+// CheckpointError(Corrupt) unless the dataset is stored as write_piece
+// stores it: chunked with Fletcher-32 alone, in this file, of dst's dtype,
+// of stored's extent.
 void read_piece(hid_t file, const std::string& path, const Box& stored, const Box& want,
                 at::Tensor& dst, const std::string& tensor, const std::string& file_name);
 

@@ -43,11 +43,22 @@ struct Index {
 // FNV-1a 64 over bytes, continuing from `h`.
 uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ULL);
 
+// The largest index.json read (bounds the read; a model of ~1e6 tensor pieces).
+inline constexpr int64_t kMaxIndexBytes = int64_t{1} << 30;
+
 std::string index_text(const Index& index);  // with its checksum
-// Verifies format, version and checksum; CheckpointError (Format, Corrupt)
-// naming `shown_as` otherwise.
+// Verifies format, version and checksum, then check_index; CheckpointError
+// (Format, Corrupt) naming `shown_as` otherwise.
 Index parse_index(const std::string& text, const std::string& shown_as);
-// Reads and parses <dir>/index.json (NotFound if absent).
+// What an index must hold before anything it names is opened or sized
+// (index_check.cpp): rank files by their own names, chunks inside their
+// tensors and tiling them, sizes within the rank files' bytes.
+// CheckpointError(Corrupt) naming the entry otherwise.
+void check_index(const Index& index, const std::string& shown_as);
+// The text of <dir>/index.json, a regular file inside dir of at most
+// kMaxIndexBytes (NotFound if absent, Corrupt otherwise).
+std::string read_index_text(const std::string& dir);
+// read_index_text, parsed.
 Index read_index(const std::string& dir);
 
 nlohmann::json value_json(const Value& v);

@@ -15,6 +15,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <sstream>
@@ -96,21 +97,10 @@ void check_against(const State& state, const Index& index, const std::vector<Ite
   }
 }
 
-// Every rank file the index lists, present and of the size written.
+// Every rank file the index lists: inside the checkpoint, regular, of the
+// size written.
 void check_files(const Index& index, const std::string& dir, const std::string& shown) {
-  for (const auto& [file, bytes] : index.files) {
-    const int64_t size = file_size(dir + "/" + file);
-    if (size < 0) {
-      throw CheckpointError(Kind::Incomplete, "", file,
-                            shown + ": rank file " + file + " is missing");
-    }
-    if (size != bytes) {
-      throw CheckpointError(Kind::Corrupt, "", file,
-                            shown + ": rank file " + file + " has " + std::to_string(size) +
-                                " bytes; " + std::to_string(bytes) + " were written" +
-                                (size < bytes ? " (truncated)" : ""));
-    }
-  }
+  for (const auto& [file, bytes] : index.files) check_rank_file(dir, file, bytes, shown);
 }
 
 struct Loaded {
@@ -125,7 +115,7 @@ void read_items(Loaded& l, const std::string& dir, bool check_finite) {
   std::map<std::string, Handle> files;
   auto file = [&](const std::string& name) -> hid_t {
     auto it = files.find(name);
-    if (it == files.end()) it = files.emplace(name, open_file(dir + "/" + name, name)).first;
+    if (it == files.end()) it = files.emplace(name, open_file(contained_file(dir, name), name)).first;
     return it->second.get();
   };
   for (const auto& item : l.items) {
@@ -237,14 +227,17 @@ LoadReport load(const std::string& dir, State& state, const LoadOptions& options
   using namespace detail;
   const ProcessGroupPtr group =
       fsdp::detail::side_group_for(world_group(), fsdp::detail::SideGroup::Checkpoint);
-  // Rank 0 decides the candidates, so every rank tries the same ones.
+  // Rank 0 decides the candidates, so every rank tries the same ones: "+"
+  // a checkpoint, "-" a step directory without index.json (noted, skipped).
   std::string listed;
   if (group->rank() == 0) {
     if (exists(dir + "/" + kIndexFile)) {
-      listed = dir + "\n";
+      listed = "+" + dir + "\n";
     } else {
-      for (const auto& c : list_checkpoints(dir)) {
-        if (!options.step || step_of(c.substr(c.rfind('/') + 1)) == *options.step) listed += c + "\n";
+      for (const auto& s : list_step_dirs(dir)) {
+        if (!options.step || s.step == *options.step) {
+          listed += (s.has_index ? "+" : "-") + s.path + "\n";
+        }
       }
     }
   }
@@ -252,32 +245,38 @@ LoadReport load(const std::string& dir, State& state, const LoadOptions& options
   std::vector<std::string> candidates;
   std::istringstream lines(listed);
   for (std::string line; std::getline(lines, line);) candidates.push_back(line);
-  if (candidates.empty()) {
-    throw CheckpointError(CheckpointError::Kind::NotFound, "", dir,
-                          "no complete checkpoint" +
-                              (options.step ? " of step " + std::to_string(*options.step) : "") +
-                              " under " + dir);
-  }
   std::string notes;
+  const auto note = [&](const std::string& line) { notes += (notes.empty() ? "" : "; ") + line; };
+  const auto loadable_after = [&](size_t i) {
+    return std::any_of(candidates.begin() + static_cast<std::ptrdiff_t>(i) + 1, candidates.end(),
+                       [](const std::string& c) { return c[0] == '+'; });
+  };
   for (size_t i = 0; i < candidates.size(); ++i) {
+    const std::string path = candidates[i].substr(1);
+    if (candidates[i][0] == '-') {
+      note("skipped " + path + ": no index.json (incomplete or damaged)");
+      continue;
+    }
     try {
-      LoadReport r = load_one(candidates[i], state, group, options);
+      LoadReport r = load_one(path, state, group, options);
       r.fallback_note = notes;
       return r;
     } catch (const CheckpointError& e) {
       if (!options.fallback || !is_damage(e.kind())) throw;
-      if (i + 1 == candidates.size()) {
+      if (!loadable_after(i)) {
         if (notes.empty()) throw;
         // No checkpoint loaded: say why the newer ones were skipped too.
         throw CheckpointError(e.kind(), e.tensor(), e.file(),
                               std::string(e.what()) + " (and newer ones were skipped: " + notes +
                                   ")");
       }
-      notes += (notes.empty() ? "" : "; ") + std::string("skipped ") + candidates[i] + ": " +
-               e.what();
+      note("skipped " + path + ": " + e.what());
     }
   }
-  throw CheckpointError(CheckpointError::Kind::NotFound, "", dir, "no checkpoint loaded");
+  throw CheckpointError(CheckpointError::Kind::NotFound, "", dir,
+                        "no complete checkpoint" +
+                            (options.step ? " of step " + std::to_string(*options.step) : "") +
+                            " under " + dir + (notes.empty() ? "" : " (" + notes + ")"));
 }
 
 }  // namespace fsdp::dcp

@@ -65,12 +65,6 @@ std::string utc_now() {
   return buf;
 }
 
-std::string rank_file(int rank) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "rank-%05d.h5", rank);
-  return buf;
-}
-
 std::string dataset_of(const std::string& tensor, const Box& box) {
   std::string d = "/" + tensor + "/";
   if (box.offsets.empty()) return d + "scalar";

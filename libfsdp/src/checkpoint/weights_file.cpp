@@ -110,13 +110,22 @@ class Safetensors : public Source {
       corrupt("", "says its header has " + std::to_string(n) + " bytes; the file has " +
                       std::to_string(size_) + " (truncated?)");
     }
+    if (n > kMaxHeaderBytes) {
+      corrupt("", "says its header has " + std::to_string(n) + " bytes; safetensors allows " +
+                      std::to_string(kMaxHeaderBytes));
+    }
     std::string header(static_cast<size_t>(n), '\0');
     pread_all(header.data(), header.size(), 8, "");
     data_start_ = 8 + static_cast<int64_t>(n);
     bytes_read_ = data_start_;
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(header);
+      // A header nests 3 deep; far deeper would only exhaust the stack.
+      j = nlohmann::json::parse(header, [this](int depth, nlohmann::json::parse_event_t,
+                                               nlohmann::json&) {
+        if (depth > 16) corrupt("", "has a header nested more than 16 deep");
+        return true;
+      });
     } catch (const nlohmann::json::exception& e) {
       corrupt("", std::string("has a header that is not valid JSON: ") + e.what());
     }
@@ -125,6 +134,7 @@ class Safetensors : public Source {
       if (name == "__metadata__") continue;
       parse_entry(name, v);
     }
+    check_disjoint();
   }
   ~Safetensors() override {
     if (fd_ >= 0) ::close(fd_);
@@ -254,16 +264,44 @@ class Safetensors : public Source {
     e.info.dtype = scalar_type(e.info.dtype_text, esize);
     if (e.info.dtype) e.info.dtype_text = dtype_str(*e.info.dtype) + " (" + e.info.dtype_text + ")";
     if (e.end < e.begin) bad("has data_offsets with end before begin");
-    if (esize > 0 && e.end - e.begin != numel_of(e.info.shape) * esize) {
+    int64_t bytes = esize;
+    for (int64_t s : e.info.shape) {
+      if (__builtin_mul_overflow(bytes, s, &bytes)) bad("has a shape of more than 2^63 bytes");
+    }
+    if (esize > 0 && e.end - e.begin != bytes) {
       bad("has data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
           ") that do not hold " + shape_str(e.info.shape) + " of " + e.info.dtype_text);
     }
-    if (data_start_ + e.end > size_) {
+    if (e.end > size_ - data_start_) {
       corrupt(name, "has data up to byte " + std::to_string(data_start_ + e.end) +
                         " but the file ends at " + std::to_string(size_) + " (truncated)");
     }
     entries_.emplace(name, std::move(e));
   }
+
+  // Every byte belongs to at most one tensor: overlapping entries would
+  // make one tensor's bytes another's.
+  void check_disjoint() const {
+    std::vector<std::pair<const std::string*, const Entry*>> byte_order;
+    for (const auto& [name, e] : entries_) {
+      if (e.end > e.begin) byte_order.emplace_back(&name, &e);
+    }
+    std::sort(byte_order.begin(), byte_order.end(),
+              [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
+    for (size_t i = 1; i < byte_order.size(); ++i) {
+      const auto& [prev_name, prev] = byte_order[i - 1];
+      const auto& [name, e] = byte_order[i];
+      if (e->begin < prev->end) {
+        corrupt(*name, "has data_offsets [" + std::to_string(e->begin) + ", " +
+                           std::to_string(e->end) + ") overlapping those of '" + *prev_name +
+                           "' [" + std::to_string(prev->begin) + ", " + std::to_string(prev->end) +
+                           ")");
+      }
+    }
+  }
+
+  // The safetensors format's own bound on the header.
+  static constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
   std::string path_;
   int fd_ = -1;
@@ -275,7 +313,10 @@ class Safetensors : public Source {
 
 using dcp::detail::Handle;
 
-herr_t collect_dataset(hid_t group, const char* name, const H5L_info_t* /*info*/, void* data) {
+herr_t collect_dataset(hid_t group, const char* name, const H5L_info_t* info, void* data) {
+  // Soft and external links are not tensors of this file (and an external
+  // one would open another file).
+  if (info->type != H5L_TYPE_HARD) return 0;
   const hid_t obj = H5Oopen(group, name, H5P_DEFAULT);
   if (obj < 0) return 0;  // a dangling link: not a tensor
   if (H5Iget_type(obj) == H5I_DATASET) {
@@ -304,13 +345,15 @@ class Hdf5 : public Source {
     // the next component.
     for (size_t slash = name.find('/');; slash = name.find('/', slash + 1)) {
       const std::string part = name.substr(0, slash);
-      if (part.empty() || H5Lexists(file_.get(), part.c_str(), H5P_DEFAULT) <= 0) {
+      if (part.empty() || H5Lexists(file_.get(), part.c_str(), access_.get()) <= 0) {
         return std::nullopt;
       }
       if (slash == std::string::npos) break;
     }
-    Handle ds(H5Dopen2(file_.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
-    if (!ds.valid()) return std::nullopt;  // a group of that name
+    Handle ds(H5Dopen2(file_.get(), name.c_str(), access_.get()), H5Dclose);
+    if (!ds.valid()) return std::nullopt;  // a group of that name, or behind an external link
+    const std::string foreign = dcp::detail::foreign_storage(ds.get());
+    if (!foreign.empty()) fail(name, "dataset " + name + " is refused: " + foreign);
     FileTensor t;
     Handle type(H5Dget_type(ds.get()), H5Tclose);
     const size_t size = H5Tget_size(type.get());
@@ -343,7 +386,7 @@ class Hdf5 : public Source {
   }
 
   void read(const std::string& name, const Box& box, at::Tensor& dst) override {
-    Handle ds(H5Dopen2(file_.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
+    Handle ds(H5Dopen2(file_.get(), name.c_str(), access_.get()), H5Dclose);
     if (!ds.valid()) fail(name, "cannot open dataset " + name);
     Handle fspace(H5Dget_space(ds.get()), H5Sclose);
     Handle mspace;
@@ -375,6 +418,7 @@ class Hdf5 : public Source {
 
   std::string path_;
   Handle file_;
+  Handle access_ = dcp::detail::self_contained_access();
   std::map<std::string, int64_t> file_size_;  // element bytes in the file, by dataset
 };
 
@@ -439,7 +483,14 @@ std::unique_ptr<Source> open_source(const std::string& path) {
                                     "' is a directory without a distributed checkpoint (no "
                                     "index.json in it, no complete step-* under it)");
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (!S_ISREG(st.st_mode)) {
+    // A FIFO would block the open, a device never end.
+    throw ArgumentError("path", "load_weights: path '" + path +
+                                    "' is not a regular file (a FIFO, device or socket); "
+                                    "accepted: a safetensors or HDF5 file, or a checkpoint "
+                                    "directory");
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     throw ArgumentError("path", "load_weights: path '" + path + "' cannot be opened: " +
                                     std::strerror(errno));
