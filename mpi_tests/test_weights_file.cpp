@@ -14,12 +14,14 @@
 #include <fsdp/weights_file.h>
 
 #include <hdf5.h>
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <tuple>
 
 #ifndef FSDP_WEIGHTS_FIXTURE
 #error "FSDP_WEIGHTS_FIXTURE (the path of data/weights/tiny.safetensors) must be defined"
@@ -448,6 +450,72 @@ BOOST_AUTO_TEST_CASE(test_truncated_and_corrupt_files) {  // [ours]
     expect_error<CheckpointError>([&] { fsdp::load_weights(garbage, *m.net); }, *m.net,
                                   {garbage, "JSON"}, "bad header " + layout, corrupt);
   }
+}
+
+// A safetensors file is untrusted input: headers that would make one
+// tensor's bytes another's, point past the file, size an allocation beyond
+// int64 or the format's header bound, or nest without end are refused
+// before anything is read; a FIFO is refused without opening it (which
+// would block). fc1.bias is 37 floats = 148 bytes.
+BOOST_AUTO_TEST_CASE(test_untrusted_safetensors_headers) {  // [ours]
+  const std::string dir = scratch("untrusted");
+  // <dir>/<name>.safetensors: `header` then `data_bytes` zero bytes; with
+  // `claimed` > 0, the length field says that and the file is sparse up to it.
+  auto write = [&](const std::string& name, const std::string& header, int64_t data_bytes,
+                   uint64_t claimed = 0) {
+    const std::string path = dir + "/" + name + ".safetensors";
+    if (spmd::rank() == 0) {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      uint64_t n = claimed ? claimed : header.size();
+      for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
+      out << header << std::string(static_cast<size_t>(data_bytes), '\0');
+      out.close();
+      if (claimed) std::filesystem::resize_file(path, 8 + claimed + 16);
+    }
+    return path;
+  };
+  const std::string bias = R"("fc1.bias": {"dtype": "F32", "shape": [37], "data_offsets": )";
+  if (spmd::rank() == 0) std::filesystem::create_directories(dir);
+  raw_mpi::barrier();
+  const std::string overlap = write(
+      "overlap", "{" + bias + R"([0, 148]}, "fc2.bias": {"dtype": "F32", "shape": [8], )"
+                 R"("data_offsets": [100, 132]}})", 148);
+  const std::string past_end = write("past-end", "{" + bias + "[4096, 4244]}}", 148);
+  const std::string huge = write(
+      "huge", "{" + bias + R"([0, 148]}, "x": {"dtype": "F32", "shape": [1099511627776, )"
+              R"(1099511627776], "data_offsets": [148, 148]}})", 148);
+  const std::string deep =
+      write("deep", std::string(100000, '[') + std::string(100000, ']'), 0);
+  // A header length of 150 MB in a (sparse) file long enough to hold it.
+  const std::string long_header = write("long-header", "{}", 0, 150'000'000);
+  const std::string fifo = dir + "/fifo.safetensors";
+  if (spmd::rank() == 0) {
+    std::filesystem::remove(fifo);
+    BOOST_TEST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  }
+  raw_mpi::barrier();
+  Model m = build(spmd::world_size() > 1 ? "fsdp" : "plain");
+  fsdp::LoadWeightsOptions lenient;
+  lenient.strict = false;
+  auto corrupt = [](const CheckpointError& e) {
+    BOOST_TEST(fsdp::dcp::to_string(e.kind()) == "corrupt");
+  };
+  const std::vector<std::tuple<std::string, std::vector<std::string>, std::string>> cases = {
+      {overlap, {"'fc2.bias'", "overlapping those of 'fc1.bias'", "[0, 148)"}, "overlap"},
+      {past_end, {"'fc1.bias'", "the file ends at"}, "offsets past the end"},
+      {huge, {"'x'", "more than 2^63 bytes"}, "2^80 elements"},
+      {deep, {"nested more than 16 deep"}, "deep nesting"},
+      {long_header, {"150000000 bytes", "safetensors allows 100000000"}, "header bound"},
+  };
+  for (const auto& [path, words, what] : cases) {
+    std::vector<std::string> w = words;
+    w.push_back(path);
+    expect_error<CheckpointError>([&] { fsdp::load_weights(path, *m.net, lenient); }, *m.net, w,
+                                  what, corrupt);
+  }
+  auto argument_path = [](const fsdp::ArgumentError& e) { BOOST_TEST(e.argument() == "path"); };
+  expect_error<fsdp::ArgumentError>([&] { fsdp::load_weights(fifo, *m.net); }, *m.net,
+                                    {fifo, "not a regular file"}, "a FIFO", argument_path);
 }
 
 BOOST_AUTO_TEST_CASE(test_path_errors) {  // [ours]
