@@ -259,6 +259,7 @@ int train(fsdp::Runtime& rt, TrainConfig& cfg) {
   const fsdp::DeviceMesh mesh = make_mesh(cfg, device);
   const WorldComm world_comm(world);
   const HookSpec stall = read_hook("FSDP_TRAIN_STALL_AT", {"optimizer", "save"});
+  install_save_crash("FSDP_DCP_CRASH_AT");
   const std::chrono::milliseconds min_step = read_min_step("FSDP_TRAIN_MIN_STEP_MS");
   const int64_t dp_rank = (rank % (cfg.dp_size * cfg.tp)) / cfg.tp;
   int64_t n_params = 0;

@@ -5,8 +5,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
 
+#include <fsdp/distributed_checkpoint.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cstdlib>
+#include <iostream>
 
 namespace fsdp_train {
 
@@ -32,6 +36,19 @@ HookSpec read_hook(const char* variable, const std::vector<std::string>& points)
                                   variable, text, fmt::join(points, ", ")));
   }
   return spec;
+}
+
+void install_save_crash(const char* variable) {
+  const HookSpec spec = read_hook(variable, {"written", "index", "renamed", "pruned"});
+  if (spec.point.empty()) return;
+  const std::string text = spec.point + (spec.step >= 0 ? "@" + std::to_string(spec.step) : "");
+  fsdp::dcp::testing::set_publish_observer([spec, text, variable](const char* phase, int64_t step) {
+    if (!spec.matches(phase, step)) return;
+    std::cerr << fmt::format("fsdp-train: {}={}: rank 0 kills itself after '{}' of the save of step {}\n",
+                             variable, text, phase, step)
+              << std::flush;
+    std::raise(SIGKILL);
+  });
 }
 
 std::chrono::milliseconds read_min_step(const char* variable) {

@@ -1,7 +1,10 @@
 // fsdp-train's test hooks: environment variables the fault tests set to
 // make one rank misbehave at a named point of a step (docs/fsdp-train.md).
-// (A crash in a checkpoint save is the library's FSDP_DCP_CRASH_AT,
-// docs/distributed_checkpoint.md; tools/fsdp-train/tests/crash-check.sh.)
+//   FSDP_DCP_CRASH_AT=<phase>[@<step>]  rank 0 SIGKILLs itself right after
+//       that phase of a checkpoint save's publish sequence (written, index,
+//       renamed, pruned: docs/distributed_checkpoint.md#publish-sequence),
+//       through the library's fsdp::dcp::testing::set_publish_observer
+//       (tools/fsdp-train/tests/crash-check.sh)
 //
 //   FSDP_TRAIN_STALL_AT=<point>[@<step>]  the last rank SIGSTOPs itself
 //       (points: "optimizer", after the optimizer step and before the
@@ -37,6 +40,10 @@ struct HookSpec {
 
 // Reads `variable`; `points` are the names it accepts.
 HookSpec read_hook(const char* variable, const std::vector<std::string>& points);
+
+// Reads FSDP_DCP_CRASH_AT and, when set, installs the publish observer that
+// kills rank 0 there.
+void install_save_crash(const char* variable);
 
 // Reads `variable` as a whole number of milliseconds in [0, 600000] (0 when
 // unset).

@@ -16,8 +16,8 @@
 // No data cursor or RNG state: batch s is drawn from (--seed, s) alone and
 // training draws no random numbers.
 //
-// Crash tests use the library's hook FSDP_DCP_CRASH_AT=<phase>[@<step>]
-// (phases written, index, renamed, pruned).
+// Crash tests use the test hook FSDP_DCP_CRASH_AT=<phase>[@<step>]
+// (test_hooks.h; phases written, index, renamed, pruned).
 #pragma once
 
 #include "training_run.h"

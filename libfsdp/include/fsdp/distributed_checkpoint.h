@@ -55,6 +55,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -227,6 +228,18 @@ class AsyncSaver {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace testing {
+// For fault-injection tests: called on rank 0 right after each phase of a
+// save's publish sequence (docs/distributed_checkpoint.md#publish-sequence)
+// with its name -- "written" (the rank files), "index", "renamed", "pruned"
+// -- and the step saved; from AsyncSaver's thread for background saves. A
+// test kills the process there to leave what a crash at that point leaves
+// (fsdp-train installs one for FSDP_DCP_CRASH_AT). Default: none (an empty
+// function). Set it before the first save, not while one is in flight.
+using PublishObserver = std::function<void(const char* phase, int64_t step)>;
+void set_publish_observer(PublishObserver observer);
+}  // namespace testing
 
 struct LoadOptions {
   // A specific step; nullopt: the newest complete checkpoint under dir.

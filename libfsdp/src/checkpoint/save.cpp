@@ -15,8 +15,6 @@
 #include <ATen/ops/empty.h>
 
 #include <chrono>
-#include <csignal>
-#include <cstdlib>
 #include <ctime>
 #include <iostream>
 #include <map>
@@ -39,21 +37,14 @@ ProcessGroupPtr checkpoint_group() {
   return fsdp::detail::side_group_for(world_group(), fsdp::detail::SideGroup::Checkpoint);
 }
 
-// FSDP_DCP_CRASH_AT=<phase>[@<step>] (tests only): rank 0 SIGKILLs itself
-// right after that phase of the publish sequence -- of every save, or of
-// the save of that step -- so tests can crash a save at each phase.
-void crash_point(const char* phase, int64_t step, int rank) {
-  if (rank != 0) return;
-  const char* env = std::getenv("FSDP_DCP_CRASH_AT");
-  if (env == nullptr) return;
-  std::string spec(env);
-  const auto at = spec.find('@');
-  if (spec.substr(0, at) != phase) return;
-  if (at != std::string::npos && std::stoll(spec.substr(at + 1)) != step) return;
-  std::cerr << "libfsdp: FSDP_DCP_CRASH_AT=" << spec << ": rank 0 kills itself after '" << phase
-            << "' of the save of step " << step << "\n"
-            << std::flush;
-  std::raise(SIGKILL);
+// testing::set_publish_observer's observer; called on rank 0 only.
+testing::PublishObserver& publish_observer() {
+  static testing::PublishObserver observer;
+  return observer;
+}
+
+void published(const char* phase, int64_t step, int rank) {
+  if (rank == 0 && publish_observer()) publish_observer()(phase, step);
 }
 
 std::string utc_now() {
@@ -113,10 +104,9 @@ struct Snapshot {
   SaveReport report;
 };
 
-// `reuse`: buffers of an earlier snapshot (Snapshot::spare), taken over
-// where a piece has the same dataset, shape and dtype.
-Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOptions& options,
-                       std::map<std::string, at::Tensor> reuse = {}) {
+namespace {
+
+void check_save_args(const std::string& dir, const SaveOptions& options) {
   if (options.step < 0) {
     throw ArgumentError("options", "distributed checkpoint: SaveOptions::step is " +
                                        std::to_string(options.step) + "; accepted: >= 0");
@@ -126,6 +116,203 @@ Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOpt
                                          std::to_string(options.keep_last) + "; accepted: >= 1");
   }
   if (dir.empty()) throw ArgumentError("dir", "distributed checkpoint: dir is empty");
+}
+
+// What this rank holds (its items), described for every rank: tensors with
+// their boxes, values, rank-local values, optimizers.
+json describe(const State& state, const std::vector<Item>& items) {
+  json mine;
+  json tensors = json::array();
+  for (const auto& it : items) {
+    json boxes = json::array();
+    for (const auto& b : it.boxes) boxes.push_back(box_json(b.global));
+    tensors.push_back({{"n", it.name}, {"k", it.kind}, {"d", dtype_name(it.dtype, it.name)},
+                       {"s", it.shape}, {"b", boxes}});
+  }
+  mine["tensors"] = tensors;
+  json values = json::object(), rank_values = json::object();
+  for (const auto& [name, e] : state.entries()) {
+    if (std::holds_alternative<at::Tensor>(e.value)) continue;
+    (e.rank_local ? rank_values : values)[name] = value_json(e.value);
+  }
+  mine["values"] = values;
+  mine["rank_values"] = rank_values;
+  json optimizers = json::object();
+  for (const auto& o : state.optimizers()) {
+    optimizers[o.prefix] = {{"type", optimizer_type(*o.optimizer)},
+                            {"module", o.module_prefix},
+                            {"param_groups", optimizer_groups(*o.optimizer)}};
+  }
+  mine["optimizers"] = optimizers;
+  return mine;
+}
+
+// Every rank's descriptions merged: the same on every rank.
+struct Plan {
+  std::map<std::string, Planned> tensors;
+  json values, rank_values = json::object(), optimizers = json::object();
+};
+
+// One rank's tensors into the plan; ArgumentError when a tensor's dtype or
+// shape differs from the first rank that holds it.
+void add_tensors(Plan& plan, const json& described, int r) {
+  for (const auto& t : described.at("tensors")) {
+    const std::string name = t.at("n");
+    Planned& p = plan.tensors[name];
+    const auto shape = t.at("s").get<std::vector<int64_t>>();
+    if (p.first_rank < 0) {
+      p.kind = t.at("k");
+      p.dtype = t.at("d");
+      p.shape = shape;
+      p.first_rank = r;
+    } else if (p.dtype != t.at("d") || p.shape != shape) {
+      throw ArgumentError("state", "distributed checkpoint: '" + name + "' is " + p.dtype + " " +
+                                       shape_str(p.shape) + " on rank " +
+                                       std::to_string(p.first_rank) + " but " +
+                                       t.at("d").get<std::string>() + " " + shape_str(shape) +
+                                       " on rank " + std::to_string(r));
+    }
+    for (const auto& b : t.at("b")) {
+      Box box{b.at(0).get<std::vector<int64_t>>(), b.at(1).get<std::vector<int64_t>>()};
+      p.holders[box].push_back(r);
+    }
+  }
+}
+
+// The pieces of a tensor must tile it: pairwise disjoint, covering it.
+void check_tiling(const Plan& plan) {
+  for (const auto& [name, p] : plan.tensors) {
+    std::vector<Box> boxes;
+    int64_t covered = 0;
+    for (const auto& [box, ranks] : p.holders) {
+      for (const Box& other : boxes) {
+        if (!empty(intersect(box, other))) {
+          throw ArgumentError("state", "distributed checkpoint: '" + name + "' has pieces " +
+                                           box_str(other) + " and " + box_str(box) +
+                                           " that overlap without being equal (ranks " +
+                                           std::to_string(ranks.front()) +
+                                           ", ...): the layouts differ between ranks");
+        }
+      }
+      boxes.push_back(box);
+      covered += box.numel();
+    }
+    if (covered != numel_of(p.shape)) {
+      throw ArgumentError("state", "distributed checkpoint: the ranks' pieces of '" + name +
+                                       "' " + shape_str(p.shape) + " cover " +
+                                       std::to_string(covered) + " of its " +
+                                       std::to_string(numel_of(p.shape)) + " elements");
+    }
+  }
+}
+
+Plan merge(const std::vector<std::string>& described) {
+  Plan plan;
+  for (int r = 0; r < static_cast<int>(described.size()); ++r) {
+    const json d = json::parse(described[static_cast<size_t>(r)]);
+    add_tensors(plan, d, r);
+    if (r == 0) {
+      plan.values = d.at("values");
+      plan.optimizers = d.at("optimizers");
+    } else if (d.at("values") != plan.values) {
+      throw ArgumentError("state", "distributed checkpoint: the values set with set() differ "
+                                   "between rank 0 (" + plan.values.dump() + ") and rank " +
+                                       std::to_string(r) + " (" + d.at("values").dump() +
+                                       "); set() values must be the same on every rank "
+                                       "(set_rank_local() is per rank)");
+    }
+    for (const auto& [name, v] : d.at("rank_values").items()) {
+      json& per_rank = plan.rank_values[name];
+      if (per_rank.is_null()) per_rank = json::array();
+      while (static_cast<int>(per_rank.size()) < r) per_rank.push_back(nullptr);
+      per_rank.push_back(v);
+    }
+  }
+  check_tiling(plan);
+  return plan;
+}
+
+// This rank's copy of a piece it writes, into a buffer of `reuse` where one
+// fits (same dataset, shape, dtype and pinning).
+at::Tensor host_copy(const at::Tensor& src, at::ScalarType dtype, const std::string& dataset,
+                     const std::map<std::string, at::Tensor>& reuse) {
+  at::Tensor host;
+  auto old = reuse.find(dataset);
+  if (old != reuse.end() && old->second.sizes() == src.sizes() &&
+      old->second.scalar_type() == dtype && old->second.is_pinned() == src.is_cuda()) {
+    host = old->second;
+  } else {
+    auto opts = at::TensorOptions().dtype(dtype);
+    if (src.is_cuda()) opts = opts.pinned_memory(true);
+    host = at::empty(src.sizes(), opts);
+  }
+  host.copy_(src);  // blocking: the writer thread reads it next
+  return host;
+}
+
+// Writers: each piece by the holder with the fewest bytes so far. Fills the
+// index's tensors (and rank 0's view) and copies the pieces this rank
+// writes; returns the checkpoint's tensor bytes.
+int64_t assign_writers(Snapshot& s, const Plan& plan, const std::vector<Item>& items,
+                       const std::map<std::string, at::Tensor>& reuse) {
+  std::vector<int64_t> assigned(static_cast<size_t>(s.group->size()), 0);
+  std::map<std::string, const Item*> by_name;
+  for (const auto& it : items) by_name[it.name] = &it;
+  int64_t total = 0;
+  for (const auto& [name, p] : plan.tensors) {
+    IndexTensor t{name, p.kind, dtype_of(p.dtype, name, ""), p.shape, {}};
+    GlobalView::Tensor v{name, t.dtype, p.shape, {}};
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(t.dtype));
+    for (const auto& [box, ranks] : p.holders) {
+      int writer = ranks.front();
+      for (int r : ranks) {
+        if (assigned[static_cast<size_t>(r)] < assigned[static_cast<size_t>(writer)]) writer = r;
+      }
+      assigned[static_cast<size_t>(writer)] += box.numel() * elem;
+      total += box.numel() * elem;
+      const std::string file = rank_file(writer);
+      const std::string dataset = dataset_of(name, box);
+      t.chunks.push_back({file, dataset, box.offsets, box.sizes});
+      v.pieces.push_back({file, dataset, box});
+      if (writer != s.rank) continue;
+      const Item& item = *by_name.at(name);
+      for (const auto& lb : item.boxes) {
+        if (!(lb.global == box)) continue;
+        at::Tensor host = host_copy(region(item.local, lb), item.dtype, dataset, reuse);
+        s.pieces.push_back({name, dataset, host});
+        s.report.peak_snapshot_bytes += host.numel() * elem;
+      }
+    }
+    s.index.tensors.emplace(name, std::move(t));
+    if (s.rank == 0) s.view.tensors.push_back(std::move(v));
+  }
+  return total;
+}
+
+// The plan's values, rank-local values and optimizers into the index.
+void add_values(Index& index, const Plan& plan) {
+  for (const auto& [name, v] : plan.values.items()) {
+    index.values.emplace(name, value_from_json(v, name, ""));
+  }
+  for (const auto& [name, arr] : plan.rank_values.items()) {
+    std::vector<std::optional<Value>> per_rank;
+    for (const auto& v : arr) {
+      per_rank.push_back(v.is_null() ? std::nullopt
+                                     : std::optional<Value>(value_from_json(v, name, "")));
+    }
+    index.rank_values.emplace(name, std::move(per_rank));
+  }
+  for (const auto& [prefix, o] : plan.optimizers.items()) index.optimizers[prefix] = o;
+}
+
+}  // namespace
+
+// `reuse`: buffers of an earlier snapshot (Snapshot::spare), taken over
+// where a piece has the same dataset, shape and dtype. Every step that can
+// fail on one rank is agreed on before the next collective.
+Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOptions& options,
+                       std::map<std::string, at::Tensor> reuse = {}) {
+  check_save_args(dir, options);
   const auto start = Clock::now();
   Snapshot s;
   s.group = checkpoint_group();
@@ -137,178 +324,35 @@ Snapshot take_snapshot(const std::string& dir, const State& state, const SaveOpt
   s.tmp_dir = s.final_dir + ".tmp";
   s.file_name = rank_file(s.rank);
 
-  // What this rank holds, described for every rank.
   std::vector<Item> items;
   json mine;
   std::exception_ptr error;
   try {
     items = items_for_save(state);
-    json tensors = json::array();
-    for (const auto& it : items) {
-      json boxes = json::array();
-      for (const auto& b : it.boxes) boxes.push_back(box_json(b.global));
-      tensors.push_back({{"n", it.name}, {"k", it.kind}, {"d", dtype_name(it.dtype, it.name)},
-                         {"s", it.shape}, {"b", boxes}});
-    }
-    mine["tensors"] = tensors;
-    json values = json::object(), rank_values = json::object();
-    for (const auto& [name, e] : state.entries()) {
-      if (std::holds_alternative<at::Tensor>(e.value)) continue;
-      (e.rank_local ? rank_values : values)[name] = value_json(e.value);
-    }
-    mine["values"] = values;
-    mine["rank_values"] = rank_values;
-    json optimizers = json::object();
-    for (const auto& o : state.optimizers()) {
-      optimizers[o.prefix] = {{"type", optimizer_type(*o.optimizer)},
-                              {"module", o.module_prefix},
-                              {"param_groups", optimizer_groups(*o.optimizer)}};
-    }
-    mine["optimizers"] = optimizers;
+    mine = describe(state, items);
   } catch (...) {
     error = std::current_exception();
   }
   agree(s.group, error);
   const auto all = all_gather_text(s.group, mine.dump());
-  const int world = s.group->size();
 
-  // Every rank builds the same plan from the same descriptions.
-  std::map<std::string, Planned> plan;
-  json values, rank_values = json::object(), optimizers = json::object();
+  Plan plan;
   try {
-    for (int r = 0; r < world; ++r) {
-      const json d = json::parse(all[static_cast<size_t>(r)]);
-      for (const auto& t : d.at("tensors")) {
-        const std::string name = t.at("n");
-        Planned& p = plan[name];
-        const auto shape = t.at("s").get<std::vector<int64_t>>();
-        if (p.first_rank < 0) {
-          p.kind = t.at("k");
-          p.dtype = t.at("d");
-          p.shape = shape;
-          p.first_rank = r;
-        } else if (p.dtype != t.at("d") || p.shape != shape) {
-          throw ArgumentError("state", "distributed checkpoint: '" + name + "' is " + p.dtype +
-                                           " " + shape_str(p.shape) + " on rank " +
-                                           std::to_string(p.first_rank) + " but " +
-                                           t.at("d").get<std::string>() + " " +
-                                           shape_str(shape) + " on rank " + std::to_string(r));
-        }
-        for (const auto& b : t.at("b")) {
-          Box box{b.at(0).get<std::vector<int64_t>>(), b.at(1).get<std::vector<int64_t>>()};
-          p.holders[box].push_back(r);
-        }
-      }
-      if (r == 0) {
-        values = d.at("values");
-        optimizers = d.at("optimizers");
-      } else if (d.at("values") != values) {
-        throw ArgumentError("state", "distributed checkpoint: the values set with set() differ "
-                                     "between rank 0 (" + values.dump() + ") and rank " +
-                                         std::to_string(r) + " (" + d.at("values").dump() +
-                                         "); set() values must be the same on every rank "
-                                         "(set_rank_local() is per rank)");
-      }
-      for (const auto& [name, v] : d.at("rank_values").items()) {
-        if (!rank_values.contains(name)) rank_values[name] = json::array();
-        while (static_cast<int>(rank_values[name].size()) < r) rank_values[name].push_back(nullptr);
-        rank_values[name].push_back(v);
-      }
-    }
-    // The pieces of a tensor must tile it: pairwise disjoint, covering it.
-    for (const auto& [name, p] : plan) {
-      std::vector<Box> boxes;
-      int64_t covered = 0;
-      for (const auto& [box, ranks] : p.holders) {
-        for (const Box& other : boxes) {
-          if (!empty(intersect(box, other))) {
-            throw ArgumentError("state", "distributed checkpoint: '" + name + "' has pieces " +
-                                             box_str(other) + " and " + box_str(box) +
-                                             " that overlap without being equal (ranks " +
-                                             std::to_string(ranks.front()) +
-                                             ", ...): the layouts differ between ranks");
-          }
-        }
-        boxes.push_back(box);
-        covered += box.numel();
-      }
-      if (covered != numel_of(p.shape)) {
-        throw ArgumentError("state", "distributed checkpoint: the ranks' pieces of '" + name +
-                                         "' " + shape_str(p.shape) + " cover " +
-                                         std::to_string(covered) + " of its " +
-                                         std::to_string(numel_of(p.shape)) + " elements");
-      }
-    }
+    plan = merge(all);  // every rank builds the same plan from the same descriptions
   } catch (...) {
     error = std::current_exception();
   }
   agree(s.group, error);
 
-  // Writers: each piece by the holder with the fewest bytes so far.
-  std::vector<int64_t> assigned(static_cast<size_t>(world), 0);
-  std::map<std::string, const Item*> by_name;
-  for (const auto& it : items) by_name[it.name] = &it;
-  Index& index = s.index;
-  index.step = options.step;
-  index.world_size = world;
-  index.created = utc_now();
-  index.libfsdp_version = FSDP_VERSION_STRING;
+  s.index.step = options.step;
+  s.index.world_size = s.group->size();
+  s.index.created = utc_now();
+  s.index.libfsdp_version = FSDP_VERSION_STRING;
   int64_t total = 0;
   error = nullptr;
   try {
-    for (const auto& [name, p] : plan) {
-      IndexTensor t;
-      t.name = name;
-      t.kind = p.kind;
-      t.dtype = dtype_of(p.dtype, name, "");
-      t.shape = p.shape;
-      GlobalView::Tensor v{name, t.dtype, p.shape, {}};
-      const int64_t elem = static_cast<int64_t>(c10::elementSize(t.dtype));
-      for (const auto& [box, ranks] : p.holders) {
-        int writer = ranks.front();
-        for (int r : ranks) {
-          if (assigned[static_cast<size_t>(r)] < assigned[static_cast<size_t>(writer)]) writer = r;
-        }
-        assigned[static_cast<size_t>(writer)] += box.numel() * elem;
-        total += box.numel() * elem;
-        const std::string file = rank_file(writer);
-        const std::string dataset = dataset_of(name, box);
-        t.chunks.push_back({file, dataset, box.offsets, box.sizes});
-        v.pieces.push_back({file, dataset, box});
-        if (writer != s.rank) continue;
-        const Item& item = *by_name.at(name);
-        for (const auto& lb : item.boxes) {
-          if (!(lb.global == box)) continue;
-          const at::Tensor src = region(item.local, lb);
-          at::Tensor host;
-          auto old = reuse.find(dataset);
-          if (old != reuse.end() && old->second.sizes() == src.sizes() &&
-              old->second.scalar_type() == item.dtype &&
-              old->second.is_pinned() == src.is_cuda()) {
-            host = old->second;
-          } else {
-            auto opts = at::TensorOptions().dtype(item.dtype);
-            if (src.is_cuda()) opts = opts.pinned_memory(true);
-            host = at::empty(src.sizes(), opts);
-          }
-          host.copy_(src);  // blocking: the writer thread reads it next
-          s.pieces.push_back({name, dataset, host});
-          s.report.peak_snapshot_bytes += host.numel() * elem;
-        }
-      }
-      index.tensors.emplace(name, std::move(t));
-      if (s.rank == 0) s.view.tensors.push_back(std::move(v));
-    }
-    for (const auto& [name, v] : values.items()) index.values.emplace(name, value_from_json(v, name, ""));
-    for (const auto& [name, arr] : rank_values.items()) {
-      std::vector<std::optional<Value>> per_rank;
-      for (const auto& v : arr) {
-        per_rank.push_back(v.is_null() ? std::nullopt
-                                       : std::optional<Value>(value_from_json(v, name, "")));
-      }
-      index.rank_values.emplace(name, std::move(per_rank));
-    }
-    for (const auto& [prefix, o] : optimizers.items()) index.optimizers[prefix] = o;
+    total = assign_writers(s, plan, items, reuse);
+    add_values(s.index, plan);
     if (s.rank == 0) {
       remove_tree(s.tmp_dir);
       make_dir(s.root);
@@ -342,7 +386,7 @@ SaveReport write_snapshot(Snapshot& s) {
   } catch (...) {
     error = std::current_exception();
   }
-  crash_point("written", s.step, s.rank);
+  published("written", s.step, s.rank);
   agree(s.group, error);
   for (auto& p : s.pieces) s.spare[p.dataset] = std::move(p.data);
   s.pieces.clear();
@@ -360,11 +404,11 @@ SaveReport write_snapshot(Snapshot& s) {
         sync_path(s.tmp_dir + "/" + kGlobalFile);
         sync_path(s.tmp_dir);
       }
-      crash_point("index", s.step, s.rank);
+      published("index", s.step, s.rank);
       publish(s.tmp_dir, s.final_dir, s.root);
-      crash_point("renamed", s.step, s.rank);
+      published("renamed", s.step, s.rank);
       prune(s.root, s.options.keep_last);
-      crash_point("pruned", s.step, s.rank);
+      published("pruned", s.step, s.rank);
     } catch (...) {
       error = std::current_exception();
     }
@@ -376,6 +420,12 @@ SaveReport write_snapshot(Snapshot& s) {
 }
 
 }  // namespace detail
+
+namespace testing {
+void set_publish_observer(PublishObserver observer) {
+  detail::publish_observer() = std::move(observer);
+}
+}  // namespace testing
 
 SaveReport save(const std::string& dir, const State& state, const SaveOptions& options) {
   detail::Snapshot s = detail::take_snapshot(dir, state, options);
