@@ -60,7 +60,6 @@ class ParamGroup {
   // post-forward group of one rank, i.e. reshard_after_forward_ does
   // nothing (FSDP2's int 1 == False).
   void set_post_forward_group(ProcessGroupPtr group, bool keep_full = false);
-  const ProcessGroupPtr& post_forward_group() const { return post_forward_group_; }
   // reshard() after forward. With a post-forward group of P ranks, this rank
   // first keeps its 1/P of every gathered parameter (the blocks of shard
   // ranks [j * N/P, (j+1) * N/P) for its index j in that group), and the next
