@@ -149,7 +149,7 @@ void ParamGroup::expose_without_values() {
     finish_unshard();
     return;
   }
-  post_forward_pieces_.clear();
+  forget_post_forward_pieces();
   for (auto& p : params_) p.to_value_free_full();
 }
 
@@ -185,7 +185,7 @@ void ParamGroup::finish_unshard() {
     }
     compat::release_storage(fused_gather_out_);
   }
-  post_forward_pieces_.clear();
+  forget_post_forward_pieces();
   // Replicate placements copy their shard into a compute-dtype buffer here.
   int64_t replicated = 0;
   for (const auto& p : params_) {
@@ -198,28 +198,27 @@ void ParamGroup::finish_unshard() {
   unsharded_ = true;
 }
 
-void ParamGroup::set_post_forward_group(ProcessGroupPtr group, bool keep_full) {
-  drop_post_forward_shards();
-  post_forward_group_ = std::move(group);
-  keep_full_after_forward_ = keep_full;
+void ParamGroup::forget_post_forward_pieces() {
+  post_forward_pieces_.clear();
+  post_forward_pieces_group_ = nullptr;
 }
 
 void ParamGroup::drop_post_forward_shards() {
-  if (!gather_issued_) post_forward_pieces_.clear();
+  if (!gather_issued_) forget_post_forward_pieces();
 }
 
-void ParamGroup::reshard_after_forward() {
-  if (keep_full_after_forward_ && unsharded_) return;
+void ParamGroup::reshard_after_forward(const PostForwardTarget& target) {
+  if (target.keep_full && unsharded_) return;
   // Only a completed gather has every block to keep a piece of.
-  if (!post_forward_group_ || !unsharded_ || gather_issued_) {
+  if (!target.group || !unsharded_ || gather_issued_) {
     reshard();
     return;
   }
   trace::Span span("reshard to post-forward group", "fsdp");
-  if (span.active()) span.arg("group", post_forward_group_->name());
+  if (span.active()) span.arg("group", target.group->name());
   const int64_t ws = shard_group_->size();
-  const int64_t per = ws / post_forward_group_->size();  // shard ranks per piece
-  const int64_t j = post_forward_group_->rank();
+  const int64_t per = ws / target.group->size();  // shard ranks per piece
+  const int64_t j = target.group->rank();
   std::vector<at::Tensor> pieces(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
@@ -229,10 +228,11 @@ void ParamGroup::reshard_after_forward() {
   }
   reshard();
   post_forward_pieces_ = std::move(pieces);
+  post_forward_pieces_group_ = target.group;
 }
 
 void ParamGroup::issue_post_forward_unshard() {
-  const ProcessGroupPtr& pf = post_forward_group_;
+  const ProcessGroupPtr& pf = post_forward_pieces_group_;
   trace::Span span("all-gather issue", "fsdp");
   if (span.active()) span.arg("group", pf->name()).arg("fused", fused_).arg("post_forward", true);
   const int64_t ws = shard_group_->size();
@@ -285,7 +285,7 @@ void ParamGroup::reshard() {
   }
   gather_issued_ = false;
   extensions_.drop();
-  post_forward_pieces_.clear();
+  forget_post_forward_pieces();
   for (auto& p : params_) p.to_sharded();
   unsharded_ = false;
 }

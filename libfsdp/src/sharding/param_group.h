@@ -10,6 +10,7 @@
 #include "sharding/collectives.h"
 #include "sharding/gradient_reduction.h"
 #include "sharding/param.h"
+#include "sharding/post_forward.h"
 
 #include <functional>
 #include <memory>
@@ -52,22 +53,19 @@ class ParamGroup {
   void reshard();
 
   // ---- hpZ (ReshardAfterForward's integer form) ----
-  // The post-forward group: consecutive ranks of the shard group (a
-  // subgroup_for), or null to reshard fully after forward. keep_full: a
-  // post-forward group of one rank, i.e. reshard_after_forward_ does
-  // nothing (FSDP2's int 1 == False).
-  void set_post_forward_group(ProcessGroupPtr group, bool keep_full = false);
-  // reshard() after forward. With a post-forward group of P ranks, this rank
-  // first keeps its 1/P of every gathered parameter (the blocks of shard
-  // ranks [j * N/P, (j+1) * N/P) for its index j in that group), and the next
+  // reshard() after forward, or nothing for a target that keeps the
+  // parameters full. With a target group of P ranks, this rank first keeps
+  // its 1/P of every gathered parameter (the blocks of shard ranks
+  // [j * N/P, (j+1) * N/P) for its index j in that group), and the next
   // issue_unshard all-gathers those pieces over the P ranks instead of the
   // N-rank shard group -- the same bits, since an all-gather only moves them.
-  void reshard_after_forward();
+  void reshard_after_forward(const PostForwardTarget& target);
   // Whether the pieces kept by reshard_after_forward are held.
   bool holds_post_forward_shards() const { return !post_forward_pieces_.empty(); }
   // Drops them: the next unshard gathers over the shard group. A new forward
   // pass does this, so pieces are only ever used by the backward of the
-  // forward that kept them (the parameters may change in between passes).
+  // forward that kept them (the parameters may change in between passes),
+  // and so does a new reshard_after_forward setting.
   void drop_post_forward_shards();
 
   // ---- gradients (GradientReduction) ----
@@ -143,8 +141,9 @@ class ParamGroup {
  private:
   // Allocates (or regrows in place) fused_gather_out_ for ws ranks; its bytes.
   size_t fused_gather_buffer(int64_t ws);
-  // issue_unshard's hpZ path: the pieces' all-gathers over the post-forward group.
+  // issue_unshard's hpZ path: the pieces' all-gathers over their group.
   void issue_post_forward_unshard();
+  void forget_post_forward_pieces();
   // issue_unshard's collectives (it undoes them if one of them throws).
   void issue_gathers();
   // Whether parameter i goes through an all-gather extension.
@@ -153,11 +152,11 @@ class ParamGroup {
   std::vector<ShardedParam> params_;
   ProcessGroupPtr shard_group_;
   ProcessGroupPtr replicate_group_;
-  ProcessGroupPtr post_forward_group_;
-  bool keep_full_after_forward_ = false;
   // Per parameter, this rank's piece kept by reshard_after_forward (undefined
   // for Replicate placements); empty when none are held.
   std::vector<at::Tensor> post_forward_pieces_;
+  // The post-forward group those pieces are gathered over, while held.
+  ProcessGroupPtr post_forward_pieces_group_;
   bool fused_;
   bool unsharded_ = false;
   bool gather_issued_ = false;
