@@ -99,10 +99,9 @@ class Runtime {
   // current CUDA device of this process) or cpu.
   c10::Device device() const { return device_; }
   int num_threads() const { return num_threads_; }
-  // The watchdog's timeout in seconds (0: off) and whether desync detection
-  // is on, as resolved from the options and the environment.
+  // The watchdog's timeout in seconds (0: off), as resolved from the options
+  // and the environment.
   double timeout_seconds() const { return timeout_seconds_; }
-  bool checks_collectives() const { return check_collectives_; }
   // Path of the shared object that provides sgemm_ (the BLAS LibTorch uses).
   const std::string& blas_library() const { return blas_library_; }
   // Whether MPI was initialised by this Runtime (and will be finalised by it).

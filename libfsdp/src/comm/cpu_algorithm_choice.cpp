@@ -1,6 +1,6 @@
 // The CPU collective settings (set_cpu_collectives) and the algorithm each
-// collective runs under them (cpu::choose); the algorithms themselves are in
-// cpu_collectives.cpp.
+// collective runs under them (cpu::choose); the algorithms themselves are
+// cpu_algorithms.h's.
 #include "comm/cpu_collectives.h"
 
 #include "comm/cpu_reduce.h"

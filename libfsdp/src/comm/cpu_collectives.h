@@ -1,5 +1,5 @@
 // Internal: libfsdp's own CPU collective algorithms over MPI point-to-point
-// (cpu_collectives.cpp) and the choice among them (cpu_algorithm_choice.cpp);
+// (cpu_algorithms.h) and the choice among them (cpu_algorithm_choice.cpp);
 // the MPI backend runs them on its comm thread, see mpi_backend.cpp.
 //
 //   Pairwise  step s = 1..N-1 exchanges with ranks r+s and r-s at once (all

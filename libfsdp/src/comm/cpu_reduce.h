@@ -1,5 +1,5 @@
 // Internal: the elementwise reductions of libfsdp's own CPU collective
-// algorithms (cpu_collectives.cpp), on raw buffers of one dtype.
+// algorithms (cpu_algorithms.h), on raw buffers of one dtype.
 //
 // 16-bit types (bfloat16, float16) accumulate in float32 and are rounded once
 // at the end; every other type accumulates in itself. The accumulator type of

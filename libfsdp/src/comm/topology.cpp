@@ -16,7 +16,7 @@ std::vector<int>& map_storage() {
   return m;
 }
 
-// Element counts of an all-reduce's blocks, as cpu_collectives.cpp splits them.
+// Element counts of an all-reduce's blocks, as cpu::split_blocks splits them.
 int64_t split_count(int64_t numel, int n, int i) { return numel / n + (i < numel % n ? 1 : 0); }
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
@@ -104,7 +104,7 @@ int64_t CrossNodeModel::ring_all_reduce(int64_t numel, int64_t es, int64_t acc_e
   if (n < 2 || !remote(mod(rank + 1, n))) return 0;
   int64_t total = 0;
   // Step s sends partial sums of block rank-s-1 (accumulation type), then
-  // the reduced block rank-s (ring_reduce / ring_gather in cpu_collectives.cpp).
+  // the reduced block rank-s (ring_reduce / ring_gather in cpu_point_to_point.cpp).
   for (int s = 0; s + 1 < n; ++s) {
     total += split_count(numel, n, mod(rank - s - 1, n)) * acc_es;
     total += split_count(numel, n, mod(rank - s, n)) * es;

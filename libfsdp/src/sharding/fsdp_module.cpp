@@ -79,10 +79,7 @@ void FSDPModule::set_reshard_after_forward(ReshardAfterForward v, bool recurse) 
     resolved.emplace_back(&u, detail::resolve_post_forward_ranks(shard_groups, v, u.offloads,
                                                                  "set_reshard_after_forward"));
   });
-  for (auto& [u, ranks] : resolved) {
-    detail::install_post_forward_groups(u->groups, ranks);
-    u->settings.reshard_after_forward = v;
-  }
+  for (auto& [u, ranks] : resolved) u->set_reshard_after_forward(v, ranks);
 }
 void FSDPModule::set_reshard_after_backward(bool v, bool recurse) {
   for_units(unit(), recurse, [v](UnitState& u) { u.settings.reshard_after_backward = v; });

@@ -233,7 +233,7 @@ std::vector<FSDPModule> fully_shard(const std::vector<std::shared_ptr<torch::nn:
       shard_groups, options.reshard_after_forward, options.offload_policy.has_value(),
       "fully_shard");
   auto unit = shard_unit(std::move(plan), modules, mesh, options);
-  detail::install_post_forward_groups(unit->groups, post_forward);
+  unit->set_reshard_after_forward(options.reshard_after_forward, post_forward);
   detail::register_unit(unit);
   for (const auto& m : modules) detail::intercept_sequential_children(*m);
   std::vector<FSDPModule> handles;

@@ -1,7 +1,8 @@
 // fsdp::estimate_memory: a sharded model's bytes per rank from its units'
 // parameter shapes, the layout and the caller's activation sizes. The
 // formula, term by term, is docs/memory.md#estimator; each term below names
-// the buffer of fully_shard (sharding/param.cpp, param_group.cpp) it stands for.
+// the buffer of fully_shard (sharding/param.cpp, param_group.cpp,
+// gradient_reduction.cpp) it stands for.
 #include "fsdp/memory.h"
 
 #include "fsdp/errors.h"

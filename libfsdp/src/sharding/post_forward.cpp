@@ -90,17 +90,18 @@ std::vector<int> resolve_post_forward_ranks(const std::vector<ProcessGroupPtr>& 
   return out;
 }
 
-void install_post_forward_groups(std::vector<ParamGroup>& groups, const std::vector<int>& ranks) {
-  for (size_t g = 0; g < groups.size(); ++g) {
+std::vector<PostForwardTarget> post_forward_targets(
+    const std::vector<ProcessGroupPtr>& shard_groups, const std::vector<int>& ranks) {
+  std::vector<PostForwardTarget> targets(shard_groups.size());
+  for (size_t g = 0; g < shard_groups.size(); ++g) {
     const int p = ranks[g];
-    if (p == 0) {
-      groups[g].set_post_forward_group(nullptr);
-    } else if (p == 1) {
-      groups[g].set_post_forward_group(nullptr, /*keep_full=*/true);
-    } else {
-      groups[g].set_post_forward_group(subgroup_for(groups[g].shard_group(), p));
+    if (p == 1) {
+      targets[g].keep_full = true;
+    } else if (p > 1) {
+      targets[g].group = subgroup_for(shard_groups[g], p);
     }
   }
+  return targets;
 }
 
 }  // namespace fsdp::detail

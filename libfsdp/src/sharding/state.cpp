@@ -54,7 +54,6 @@ UnitState::UnitState(int64_t id_, std::vector<std::shared_ptr<torch::nn::Module>
       mesh(std::move(mesh_)),
       groups(std::move(groups_)) {
   settings.mp = options.mp_policy;
-  settings.reshard_after_forward = options.reshard_after_forward;
   offloads = options.offload_policy.has_value();
   for (auto& m : mods) {
     modules.push_back(m);
@@ -128,8 +127,16 @@ std::shared_ptr<UnitState> UnitState::root() {
 
 bool UnitState::is_root() { return root().get() == this; }
 
+void UnitState::set_reshard_after_forward(ReshardAfterForward v, const std::vector<int>& ranks) {
+  std::vector<ProcessGroupPtr> shard_groups;
+  for (const auto& g : groups) shard_groups.push_back(g.shard_group());
+  std::vector<detail::PostForwardTarget> targets = detail::post_forward_targets(shard_groups, ranks);
+  for (auto& g : groups) g.drop_post_forward_shards();
+  settings.reshard_after_forward = {v, std::move(targets)};
+}
+
 bool UnitState::reshards_after_forward() {
-  if (const auto v = settings.reshard_after_forward.value()) return *v;
+  if (const auto v = settings.reshard_after_forward.value.value()) return *v;
   return !(at::GradMode::is_enabled() && is_root());
 }
 
@@ -214,7 +221,8 @@ void UnitState::reshard() {
 
 void UnitState::reshard_after_forward() {
   detail::TraceUnit traced(*this);
-  for (auto& g : groups) g.reshard_after_forward();
+  const auto& targets = settings.reshard_after_forward.targets;
+  for (size_t g = 0; g < groups.size(); ++g) groups[g].reshard_after_forward(targets[g]);
   detail::trace_unit_memory(*this);
 }
 

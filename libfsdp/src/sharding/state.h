@@ -5,6 +5,7 @@
 #include "fsdp/options.h"
 #include "sharding/lifecycle.h"
 #include "sharding/param_group.h"
+#include "sharding/post_forward.h"
 
 #include <torch/nn/module.h>
 
@@ -40,7 +41,7 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   // the same on every rank, so whatever the hooks decide from it is too.
   struct Settings {
     MixedPrecisionPolicy mp;
-    ReshardAfterForward reshard_after_forward;
+    detail::ReshardAfterForwardSetting reshard_after_forward;  // set_reshard_after_forward
     bool reshard_after_backward = true;
     bool requires_gradient_sync = true;
     bool requires_all_reduce = true;
@@ -96,6 +97,11 @@ struct UnitState : std::enable_shared_from_this<UnitState> {
   detail::RootContext& context();
   std::shared_ptr<UnitState> root();
   bool is_root();
+  // Sets settings.reshard_after_forward to `v`, whose per-group counts
+  // resolve_post_forward_ranks checked (post_forward.h): creates the
+  // post-forward groups (collective the first time) and drops the pieces the
+  // previous setting kept.
+  void set_reshard_after_forward(ReshardAfterForward v, const std::vector<int>& ranks);
   // reshard_after_forward resolved for this unit and the current grad mode.
   bool reshards_after_forward();
   bool unsharded() const;
