@@ -356,17 +356,17 @@ class ScheduleChecker {
     return "";
   }
 
+  // "slot <t>: <a> runs <when>"
+  static std::string runs(size_t t, const Action& a, const char* when) {
+    std::ostringstream err;
+    err << "slot " << t << ": " << to_string(a) << " runs " << when;
+    return err.str();
+  }
+
   std::string forward(size_t t, int r, const Action& a) {
     const Key k{a.stage, a.microbatch};
-    std::ostringstream err;
-    if (forwards_.count(k)) {
-      err << "slot " << t << ": " << to_string(a) << " runs twice";
-      return err.str();
-    }
-    if (a.stage > 0 && !have_input_.count(k)) {
-      err << "slot " << t << ": " << to_string(a) << " runs before its input arrived";
-      return err.str();
-    }
+    if (forwards_.count(k)) return runs(t, a, "twice");
+    if (a.stage > 0 && !have_input_.count(k)) return runs(t, a, "before its input arrived");
     forwards_.insert(k);
     // A consumer on the same rank has it at once.
     if (a.stage + 1 < stages_ && stage_rank(a.stage + 1, pp_) == r) {
@@ -377,18 +377,10 @@ class ScheduleChecker {
 
   std::string backward(size_t t, int r, const Action& a) {
     const Key k{a.stage, a.microbatch};
-    std::ostringstream err;
-    if (backwards_.count(k)) {
-      err << "slot " << t << ": " << to_string(a) << " runs twice";
-      return err.str();
-    }
-    if (!forwards_.count(k)) {
-      err << "slot " << t << ": " << to_string(a) << " runs before its forward";
-      return err.str();
-    }
+    if (backwards_.count(k)) return runs(t, a, "twice");
+    if (!forwards_.count(k)) return runs(t, a, "before its forward");
     if (a.stage + 1 < stages_ && !have_grad_.count(k)) {
-      err << "slot " << t << ": " << to_string(a) << " runs before its output's gradient arrived";
-      return err.str();
+      return runs(t, a, "before its output's gradient arrived");
     }
     backwards_.insert(k);
     if (a.stage > 0 && stage_rank(a.stage - 1, pp_) == r) {
@@ -401,10 +393,7 @@ class ScheduleChecker {
     int done = 0;
     for (int m = 0; m < n_; ++m) done += backwards_.count({a.stage, m}) ? 1 : 0;
     if (done != n_ || reduced_.count(a.stage)) {
-      std::ostringstream err;
-      err << "slot " << t << ": " << to_string(a) << " runs "
-          << (reduced_.count(a.stage) ? "twice" : "before the stage's last backward");
-      return err.str();
+      return runs(t, a, reduced_.count(a.stage) ? "twice" : "before the stage's last backward");
     }
     reduced_.insert(a.stage);
     return "";
