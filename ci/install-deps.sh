@@ -12,7 +12,7 @@ packages=(
   libhdf5-dev hdf5-tools
   libcli11-dev libfmt-dev nlohmann-json3-dev
   gnuplot-nox             # loss.png of fsdp-train (optional at run time)
-  python3                 # checkpoint test scripts read index.json / safetensors headers (stdlib only)
+  python3                 # checkpoint test scripts read index.json / safetensors headers; cmake/check_sizes.py (stdlib only)
 )
 
 missing=()

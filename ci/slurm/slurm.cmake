@@ -11,11 +11,22 @@
 # ${CMAKE_BINARY_DIR}/slurm-sim and slurm_cluster_down takes it down; every
 # test (ci/slurm/tests/*-check.sh <fsdp-train> <work dir>) runs its jobs
 # through it (a test run alone brings up and takes down a cluster of its own).
+# A build tree under /tmp (a checkout there) cannot hold the state: every
+# node has a /tmp of its own. Its state is then /var/lib/fsdp-slurm/<hash of
+# the build dir>, and the nodes see the checkout and the build trees at their
+# own paths (cluster up --share: bind-mounted into each node's /tmp).
 # Where srun is not found at configure time the entries are still registered
 # and fail, saying Slurm is missing: never skipped silently.
 set(FSDP_SLURM_CLUSTER "${PROJECT_SOURCE_DIR}/ci/slurm/cluster")
 set(FSDP_SLURM_TESTS "${PROJECT_SOURCE_DIR}/ci/slurm/tests")
-set(FSDP_SLURM_STATE "${CMAKE_BINARY_DIR}/slurm-sim")
+get_filename_component(_build_real "${CMAKE_BINARY_DIR}" REALPATH)
+if(_build_real MATCHES "^/tmp/")
+  string(MD5 _build_hash "${_build_real}")
+  string(SUBSTRING "${_build_hash}" 0 12 _build_hash)
+  set(FSDP_SLURM_STATE "/var/lib/fsdp-slurm/${_build_hash}")
+else()
+  set(FSDP_SLURM_STATE "${CMAKE_BINARY_DIR}/slurm-sim")
+endif()
 # A miss is not cached: installing Slurm and re-running cmake finds it.
 foreach(_p FSDP_SRUN FSDP_SLURMCTLD FSDP_SLURMD FSDP_MUNGED)
   if(NOT ${_p})
@@ -59,8 +70,12 @@ function(fsdp_add_slurm_test)
   endif()
 endfunction()
 
+# The nodes see these at their own paths even under /tmp: the scripts, the
+# binaries and the tests' work dirs, and slurm_sbatch_ctest's build tree.
 fsdp_add_slurm_test(NAME slurm_cluster_up FIXTURE_SETUP TIMEOUT 120
-  COMMAND ${FSDP_SLURM_CLUSTER} up --nodes 2 --cpus 2 --rate 10gbit --state ${FSDP_SLURM_STATE})
+  COMMAND ${FSDP_SLURM_CLUSTER} up --nodes 2 --cpus 2 --rate 10gbit --state ${FSDP_SLURM_STATE}
+          --share ${PROJECT_SOURCE_DIR} --share ${CMAKE_BINARY_DIR}
+          --share ${CMAKE_BINARY_DIR}-slurm-ctest)
 fsdp_add_slurm_test(NAME slurm_cluster_down FIXTURE_CLEANUP TIMEOUT 60
   COMMAND ${FSDP_SLURM_CLUSTER} down --state ${FSDP_SLURM_STATE})
 

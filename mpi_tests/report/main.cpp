@@ -434,14 +434,76 @@ struct Rendered {
   std::vector<std::string> gate;  // why the gate does not hold; empty: it holds
 };
 
-Rendered render(const Input& in, const std::string& raw_dir) {
-  const auto& rows = plan_rows();
-  std::vector<Agg> row_agg(rows.size());
-  std::vector<size_t> row_looser(rows.size(), 0);
+ordered_json record_json(const Record& r) {
+  return ordered_json{{"case_id", r.case_id},
+                      {"metric", r.metric},
+                      {"kind", r.kind},
+                      {"tolerance", r.tolerance},
+                      {"observed", json_number(r.observed)},
+                      {"margin", r.kind == "separation"
+                                     ? json_margin(r.tolerance > 0 && std::isfinite(r.observed)
+                                                       ? r.observed / r.tolerance
+                                                       : std::numeric_limits<double>::quiet_NaN())
+                                     : json_margin(margin_of(r.tolerance, r.observed))},
+                      {"pass", r.pass},
+                      {"configuration", r.configuration},
+                      {"note", r.note},
+                      {"test_case", r.test_case},
+                      {"executable", r.executable},
+                      {"np", r.np},
+                      {"device", r.device},
+                      {"run", r.run},
+                      {"file", r.source}};
+}
+
+// render's state: the run's records sorted by kind and by matrix row, then
+// the markdown, the JSON and the gate's reasons written section by section,
+// in the report's order.
+struct Renderer {
+  Renderer(const Input& input, const std::string& dir);
+
+  // Records by kind; precision records by matrix row (else by case and
+  // configuration, in `other`); those looser than the plan.
+  void sort_records();
+  void write_header();
+  std::string skip_reason(const std::string& id) const;
+  void write_matrix();
+  void write_other_cases();
+  void write_looser();
+  void write_detail();
+  void write_separation();
+  void write_exact();
+  void write_expected();
+  void write_stand_ins();
+  void write_skipped();
+  void write_stale();
+  void write_sources();
+  // The verdict at the top of the markdown; the result.
+  Rendered finish();
+
+  const Input& in;
+  const std::string& raw_dir;
+  const std::vector<Row>& rows;
+  std::vector<Agg> row_agg;
+  std::vector<size_t> row_looser;
   std::map<std::pair<std::string, std::string>, Agg> other;  // (case, configuration)
   std::vector<const Record*> precision, separation, exact, expected;
   std::vector<std::pair<const Record*, double>> looser;  // record, plan tolerance
   std::map<std::pair<std::string, std::string>, std::set<std::string>> stand_ins;  // (case, note) -> devices
+  size_t failing = 0;
+  std::vector<std::string> gate;
+  std::ostringstream md;
+  ordered_json js;
+};
+
+Renderer::Renderer(const Input& input, const std::string& dir)
+    : in(input),
+      raw_dir(dir),
+      rows(plan_rows()),
+      row_agg(rows.size()),
+      row_looser(rows.size(), 0) {}
+
+void Renderer::sort_records() {
   for (const auto& r : in.records) {
     if (!r.note.empty()) stand_ins[{case_key(r), r.note}].insert(r.device);
     if (r.kind == "separation") {
@@ -476,13 +538,10 @@ Rendered render(const Input& in, const std::string& raw_dir) {
           .add(r, case_key(r));
     }
   }
-
-  size_t failing = 0;
   for (const auto& r : in.records) failing += r.pass ? 0 : 1;
-  std::vector<std::string> gate;
+}
 
-  std::ostringstream md;
-  ordered_json js;
+void Renderer::write_header() {
   md << "# Precision self-consistency matrix\n\n"
      << "Rendered by fsdp-precision-report from " << in.records.size() << " records of run `"
      << in.run << "` in " << in.sources.size() << " files under `" << raw_dir
@@ -515,25 +574,26 @@ Rendered render(const Input& in, const std::string& raw_dir) {
                    {"exact", exact.size()},          {"expected_failure", expected.size()},
                    {"failing", failing},             {"skipped", in.skipped.size()},
                    {"stale", in.stale.size()}};
+}
 
-  // Why a plan case did not run: the skips of its test cases in its suite.
-  auto skip_reason = [&](const std::string& id) {
-    const PlanCase* c = plan_case(id);
-    std::set<std::string> reasons;
-    if (c != nullptr) {
-      for (const auto& sk : in.skipped) {
-        if (sk.executable == c->suite &&
-            std::find(c->test_cases.begin(), c->test_cases.end(), sk.test_case) !=
-                c->test_cases.end()) {
-          reasons.insert("np " + std::to_string(sk.np) + ": " + sk.note);
-        }
+// Why a plan case did not run: the skips of its test cases in its suite.
+std::string Renderer::skip_reason(const std::string& id) const {
+  const PlanCase* c = plan_case(id);
+  std::set<std::string> reasons;
+  if (c != nullptr) {
+    for (const auto& sk : in.skipped) {
+      if (sk.executable == c->suite &&
+          std::find(c->test_cases.begin(), c->test_cases.end(), sk.test_case) !=
+              c->test_cases.end()) {
+        reasons.insert("np " + std::to_string(sk.np) + ": " + sk.note);
       }
     }
-    return reasons.empty() ? std::string()
-                           : " (skipped: " + join({reasons.begin(), reasons.end()}, "; ") + ")";
-  };
+  }
+  return reasons.empty() ? std::string()
+                         : " (skipped: " + join({reasons.begin(), reasons.end()}, "; ") + ")";
+}
 
-  // (a) the plan's matrix.
+void Renderer::write_matrix() {
   md << "## Matrix (test plan)\n\n"
      << "| configuration | loss tol | grad norm tol | plan cases | cases observed | records | "
         "worst observed | tightest margin | status | not run | missing metrics |\n"
@@ -604,8 +664,10 @@ Rendered render(const Input& in, const std::string& raw_dir) {
         "Status \"pass\" only when every plan case ran with both metrics, no record failed and "
         "no tolerance is looser than the plan's for its check; anything else fails the "
         "report.\n\n";
+}
 
-  // Other cases.
+// Records outside the matrix, by case and configuration.
+void Renderer::write_other_cases() {
   md << "## Other cases\n\n"
      << "Precision records of cases outside the matrix (not in the plan's table), and records "
         "of suites that are not a plan case's own (e.g. test_fully_shard_lifecycle): never "
@@ -642,30 +704,10 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (others.empty()) md << "| - | - | - | 0 | - | - | - | - |\n";
   md << "\n";
+}
 
-  auto record_json = [](const Record& r) {
-    return ordered_json{{"case_id", r.case_id},
-                        {"metric", r.metric},
-                        {"kind", r.kind},
-                        {"tolerance", r.tolerance},
-                        {"observed", json_number(r.observed)},
-                        {"margin", r.kind == "separation"
-                                       ? json_margin(r.tolerance > 0 && std::isfinite(r.observed)
-                                                         ? r.observed / r.tolerance
-                                                         : std::numeric_limits<double>::quiet_NaN())
-                                       : json_margin(margin_of(r.tolerance, r.observed))},
-                        {"pass", r.pass},
-                        {"configuration", r.configuration},
-                        {"note", r.note},
-                        {"test_case", r.test_case},
-                        {"executable", r.executable},
-                        {"np", r.np},
-                        {"device", r.device},
-                        {"run", r.run},
-                        {"file", r.source}};
-  };
-
-  // Looser than the plan (rule 2: no silent loosening), record by record.
+// Looser than the plan (rule 2: no silent loosening), record by record.
+void Renderer::write_looser() {
   js["looser_than_plan"] = ordered_json::array();
   md << "## Tolerances looser than the plan\n\n"
      << "Plan records (from the plan case's suite) whose tolerance exceeds the plan's for that "
@@ -685,8 +727,10 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (looser.empty()) md << "| - | - | - | - | - | - |\n";
   md << "\n";
+}
 
-  // (b) per-record detail.
+// (b) per-record detail.
+void Renderer::write_detail() {
   md << "## Per-case detail\n\n"
      << "| case | metric | tol | observed | margin | pass | np | device | note |\n"
      << "|---|---|---|---|---|---|---|---|---|\n";
@@ -699,7 +743,9 @@ Rendered render(const Input& in, const std::string& raw_dir) {
     js["records"].push_back(record_json(*r));
   }
   md << "\n";
+}
 
+void Renderer::write_separation() {
   md << "## Separation checks\n\n"
      << "Checks that two things DIFFER (e.g. unsynchronised replicas): observed is the smallest "
         "gap over ranks and must exceed the threshold; margin = observed / threshold, so > 1x "
@@ -718,7 +764,9 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (separation.empty()) md << "| - | - | - | - | - | - | - | - |\n";
   md << "\n";
+}
 
+void Renderer::write_exact() {
   md << "## Exact checks\n\n"
      << "Checks with tolerance 0 (bitwise equality required). Not part of the matrix.\n\n"
      << "| case | metric | observed | pass | np | device |\n|---|---|---|---|---|---|\n";
@@ -731,7 +779,9 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (exact.empty()) md << "| - | - | - | - | - | - |\n";
   md << "\n";
+}
 
+void Renderer::write_expected() {
   md << "## Expected failures\n\n"
      << "Plan checks that miss their tolerance by construction on this configuration (e.g. a "
         "CPU stand-in computing in bf16 where the plan compares against fp32). Never counted "
@@ -749,8 +799,10 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (expected.empty()) md << "| - | - | - | - | - | - | - | - |\n";
   md << "\n";
+}
 
-  // (c) CPU stand-ins.
+// (c) CPU stand-ins.
+void Renderer::write_stand_ins() {
   md << "## CPU stand-ins\n\n"
      << "Substitutions and limits noted by the cases (record notes).\n\n";
   js["stand_ins"] = ordered_json::array();
@@ -761,7 +813,9 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (stand_ins.empty()) md << "- none\n";
   md << "\n";
+}
 
+void Renderer::write_skipped() {
   md << "## Skipped test cases\n\n"
      << "Test cases a precondition skipped in this run (world size, device): a skip is never a "
         "pass; a plan case all of whose entries skipped it is \"not run\" above.\n\n";
@@ -777,7 +831,9 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (in.skipped.empty()) md << "- none\n";
   md << "\n";
+}
 
+void Renderer::write_stale() {
   md << "## Stale records (rejected)\n\n"
      << "Records whose run id is not the current run's (`" << in.run
      << "`, from run-id in the raw dir): left by an earlier run, or written without the "
@@ -797,7 +853,10 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   }
   if (stale_files.empty()) md << "- none\n";
   md << "\n";
+}
 
+// The sources, the malformed lines, and the failing records' count in the gate.
+void Renderer::write_sources() {
   md << "## Sources\n\n";
   js["sources"] = ordered_json::array();
   for (const auto& [file, n] : in.sources) {
@@ -811,8 +870,9 @@ Rendered render(const Input& in, const std::string& raw_dir) {
     gate.push_back(std::to_string(in.malformed.size()) + " malformed lines");
   }
   if (failing > 0) gate.push_back(std::to_string(failing) + " failing records");
+}
 
-  // The verdict, at the top of the markdown.
+Rendered Renderer::finish() {
   std::ostringstream head;
   head << "**Gate: " << (gate.empty() ? "PASS" : "FAIL") << "**";
   if (!gate.empty()) {
@@ -825,6 +885,24 @@ Rendered render(const Input& in, const std::string& raw_dir) {
   text.insert(first_section, head.str());
   js["gate"] = {{"pass", gate.empty()}, {"reasons", gate}};
   return {text, js, failing, gate};
+}
+
+Rendered render(const Input& in, const std::string& raw_dir) {
+  Renderer r(in, raw_dir);
+  r.sort_records();
+  r.write_header();
+  r.write_matrix();
+  r.write_other_cases();
+  r.write_looser();
+  r.write_detail();
+  r.write_separation();
+  r.write_exact();
+  r.write_expected();
+  r.write_stand_ins();
+  r.write_skipped();
+  r.write_stale();
+  r.write_sources();
+  return r.finish();
 }
 
 void write_file(const std::string& path, const std::string& text) {

@@ -1,5 +1,6 @@
 // fsdp-bench train's memory accounting: LibTorch's CPU allocator wrapped to
-// count live bytes and their peak per configuration (an "account").
+// count live bytes and their peak per configuration (an "account", as many
+// as the run has configurations).
 #pragma once
 
 #include "fsdp/allocator_compat.h"
@@ -10,11 +11,11 @@
 #include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
 
-#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
+#include <deque>
+#include <mutex>
 
 namespace fsdp_bench::train {
 
@@ -28,7 +29,13 @@ namespace fsdp_bench::train {
 
 class CountingAllocator final : public c10::Allocator {
  public:
-  static constexpr int kAccounts = 16;  // 0 = nothing in particular
+  // One configuration's live bytes and their peak. Made by new_account(),
+  // as many as a run needs, at stable addresses (a std::deque, never shrunk):
+  // an allocation's header points at its account.
+  struct Account {
+    std::atomic<int64_t> live{0};
+    std::atomic<int64_t> peak{0};
+  };
 
   // Some kernels take scratch memory through raw_allocate(), which requires
   // the DataPtr's context to be its data pointer and a raw deleter: so the
@@ -38,7 +45,7 @@ class CountingAllocator final : public c10::Allocator {
     auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     Header h{n, current_.load(std::memory_order_relaxed)};
     std::memcpy(base, &h, sizeof h);
-    add(h.account, static_cast<int64_t>(n));
+    add(*h.account, static_cast<int64_t>(n));
     void* data = base + kHeader;
     return c10::DataPtr(data, data, &CountingAllocator::release, c10::Device(c10::kCPU));
   }
@@ -60,57 +67,60 @@ class CountingAllocator final : public c10::Allocator {
   void install() {
     c10::SetCPUAllocator(this, /*priority=*/1);
     fsdp::set_shared_memory_observer(
-        [](int64_t delta) { get().add(get().current_.load(std::memory_order_relaxed), delta); });
+        [](int64_t delta) { add(*get().current_.load(std::memory_order_relaxed), delta); });
   }
   bool installed() const { return c10::GetCPUAllocator() == this; }
+
+  // A new account, starting at zero; it lives as long as the allocator.
+  Account& new_account() {
+    const std::lock_guard<std::mutex> lock(accounts_mutex_);
+    return accounts_.emplace_back();
+  }
 
   // Makes `account` current until the returned guard is destroyed.
   class Scope {
    public:
-    explicit Scope(int account) : previous_(get().current_.exchange(account)) {}
+    explicit Scope(Account& account) : previous_(get().current_.exchange(&account)) {}
     ~Scope() { get().current_.store(previous_); }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 
    private:
-    int previous_;
+    Account* previous_;
   };
 
-  int64_t live(int account) const { return live_[check(account)].load(); }
-  int64_t peak(int account) const { return peak_[check(account)].load(); }
+  static int64_t live(const Account& account) { return account.live.load(); }
+  static int64_t peak(const Account& account) { return account.peak.load(); }
   // Starts a new peak window at the account's current live bytes.
-  void reset_peak(int account) { peak_[check(account)].store(live_[account].load()); }
+  static void reset_peak(Account& account) { account.peak.store(account.live.load()); }
 
  private:
   struct Header {
     size_t bytes;
-    int account;
+    Account* account;
   };
   static constexpr size_t kHeader = c10::gAlignment;
   static_assert(kHeader >= sizeof(Header), "the header holds size and account");
 
-  static int check(int account) {
-    if (account < 0 || account >= kAccounts) throw std::logic_error("bad memory account");
-    return account;
-  }
   static void release(void* data) {
     if (data == nullptr) return;
     char* base = static_cast<char*>(data) - kHeader;
     Header h{};
     std::memcpy(&h, base, sizeof h);
-    get().add(h.account, -static_cast<int64_t>(h.bytes));
+    add(*h.account, -static_cast<int64_t>(h.bytes));
     c10::free_cpu(base);
   }
-  void add(int account, int64_t n) const {
-    const int64_t now = live_[account].fetch_add(n) + n;
-    int64_t peak = peak_[account].load();
-    while (now > peak && !peak_[account].compare_exchange_weak(peak, now)) {
+  static void add(Account& account, int64_t n) {
+    const int64_t now = account.live.fetch_add(n) + n;
+    int64_t peak = account.peak.load();
+    while (now > peak && !account.peak.compare_exchange_weak(peak, now)) {
     }
   }
 
-  std::atomic<int> current_{0};
-  mutable std::array<std::atomic<int64_t>, kAccounts> live_{};
-  mutable std::array<std::atomic<int64_t>, kAccounts> peak_{};
+  Account none_;  // what is allocated outside any Scope
+  std::atomic<Account*> current_{&none_};
+  std::mutex accounts_mutex_;
+  std::deque<Account> accounts_;
 };
 
 }  // namespace fsdp_bench::train

@@ -89,14 +89,14 @@ Meshes make_meshes(const Plan& plan, const Options& o, int world) {
   return m;
 }
 
-// One Trainer per config, config i on memory account i + 1.
+// One Trainer per config, each on a memory account of its own.
 std::vector<std::unique_ptr<Trainer>> make_trainers(const Plan& plan, const Options& o,
                                                     const Meshes& meshes, MPI_Comm comm) {
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (size_t i = 0; i < plan.specs.size(); ++i) {
-    trainers.push_back(std::make_unique<Trainer>(plan.specs[i], static_cast<int>(i) + 1,
-                                                 plan.cfg, o,
-                                                 meshes.for_config(plan.specs[i]), comm));
+    trainers.push_back(std::make_unique<Trainer>(
+        plan.specs[i], CountingAllocator::get().new_account(), plan.cfg, o,
+        meshes.for_config(plan.specs[i]), comm));
   }
   return trainers;
 }

@@ -103,8 +103,9 @@ fsdp::FullyShardOptions shard_options(const ConfigSpec& spec, const Options& o,
 
 }  // namespace
 
-Trainer::Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
-                 const Options& o, const std::optional<fsdp::DeviceMesh>& mesh, MPI_Comm comm)
+Trainer::Trainer(const ConfigSpec& spec, CountingAllocator::Account& account,
+                 const models::DecoderConfig& cfg, const Options& o,
+                 const std::optional<fsdp::DeviceMesh>& mesh, MPI_Comm comm)
     : spec_(spec), account_(account), comm_(comm), device_(o.resolved_device) {
   MPI_Comm_size(comm, &world_);
   if (spec.kind != Kind::Single) {

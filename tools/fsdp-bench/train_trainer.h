@@ -4,6 +4,7 @@
 #pragma once
 
 #include "train_configs.h"
+#include "train_memory.h"
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/mesh.h"
@@ -33,11 +34,12 @@ namespace fsdp_bench::train {
 // current.
 class Trainer {
  public:
-  Trainer(const ConfigSpec& spec, int account, const models::DecoderConfig& cfg,
+  Trainer(const ConfigSpec& spec, CountingAllocator::Account& account,
+          const models::DecoderConfig& cfg,
           const Options& o, const std::optional<fsdp::DeviceMesh>& mesh, MPI_Comm comm);
 
   const ConfigSpec& spec() const { return spec_; }
-  int account() const { return account_; }
+  CountingAllocator::Account& account() const { return account_; }
   // Name of the tp process group; empty without TP.
   const std::string& tp_group() const { return tp_group_; }
   // This rank's share of a global batch: the whole of it for single, the
@@ -91,7 +93,7 @@ class Trainer {
                  const fsdp::DeviceMesh& mesh);
 
   ConfigSpec spec_;
-  int account_;
+  CountingAllocator::Account& account_;
   MPI_Comm comm_;
   c10::Device device_;
   int world_ = 1;

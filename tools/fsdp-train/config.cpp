@@ -149,45 +149,208 @@ void resolve_moe(TrainConfig& cfg, int world_size) {
   }
 }
 
-}  // namespace
-
-std::string TrainConfig::mesh_string() const {
-  const std::string dims = mesh_shape.size() == 2
-                               ? fmt::format("[{}x{}]", mesh_shape[0], mesh_shape[1])
-                               : fmt::format("[{}]", mesh_shape.empty() ? 0 : mesh_shape[0]);
-  if (pipelined()) {
-    return fmt::format("pp {} x {} (PP + {}: {}{}, {} microbatches of {})", pp, dims,
-                       hsdp() ? "HSDP" : "FSDP", schedule,
-                       stages_per_rank > 1 ? fmt::format(", {} stages per rank", stages_per_rank)
-                                           : "",
-                       microbatches, local_batch() / microbatches);
+// --model large's dims; --init and --load against the model's structure.
+void resolve_model_and_init(TrainConfig& cfg) {
+  if (cfg.model == "large") {
+    cfg.hidden = 1024;
+    cfg.heads = 16;
+    if (!cfg.layers_given) cfg.layers = 16;
   }
-  if (moe) {
-    return fmt::format("{} (FSDP; experts: efsdp {} x ep {}, {} experts, top-{})", dims, efsdp(),
-                       ep, experts, top_k);
+  const bool structured = cfg.tp > 1 || cfg.pp > 1 || cfg.moe;
+  // The flag that gives the model its structure (with `structured`).
+  const char* structure_flag = cfg.tp > 1 ? "--tp" : cfg.pp > 1 ? "--pp" : "--moe";
+  if (cfg.init == "deferred" && structured) {
+    throw ConfigError(fmt::format(
+        "--init deferred: {} builds its model from a whole one (use --init full or auto)",
+        structure_flag));
   }
-  if (tp == 1) {
-    return dims + (hsdp() ? " (replicate x shard, HSDP)" : " (FSDP)");
-  }
-  return fmt::format("{} x tp {} ({} + TP{}{})", dims, tp, hsdp() ? "HSDP" : "FSDP",
-                     sequence_parallel ? ", sequence parallel" : "",
-                     loss_parallel ? ", loss parallel" : "");
-}
-
-double TrainConfig::tolerance() const {
-  if (verify_tol > 0) return verify_tol;
-  return bf16() ? 1e-3 : 1e-4;
-}
-
-void add_flags(CLI::App& app, TrainConfig& cfg) {
-  cfg.data = FSDP_TRAIN_CORPUS;
-  // FlagErrors print as ConfigErrors do; CLI11's own errors keep its format.
-  app.failure_message([](const CLI::App* a, const CLI::Error& e) -> std::string {
-    if (dynamic_cast<const FlagError*>(&e) != nullptr) {
-      return std::string("fsdp-train: error: ") + e.what() + "\n";
+  if (cfg.init == "auto") cfg.init = structured ? "full" : "deferred";
+  if (!cfg.load.empty()) {
+    if (structured) {
+      throw ConfigError(fmt::format(
+          "--load {}: loads into the FSDP/HSDP decoder only, not with {}", cfg.load,
+          structure_flag));
     }
-    return CLI::FailureMessage::simple(a, e);
-  });
+    if (cfg.resume) {
+      throw ConfigError(fmt::format(
+          "--load {}: --resume continues from the run's own checkpoint; use one of them",
+          cfg.load));
+    }
+    std::error_code ec;
+    if (!std::filesystem::exists(cfg.load, ec)) {
+      throw ConfigError(fmt::format("--load {}: no such file or directory", cfg.load));
+    }
+  }
+}
+
+// --reshard-after-forward: true, false, node or a rank count; no hpZ with --pp.
+void check_reshard_after_forward(const TrainConfig& cfg) {
+  const std::string& v = cfg.reshard_after_forward;
+  const bool count = !v.empty() && v.size() < 9 &&
+                     v.find_first_not_of("0123456789") == std::string::npos && std::stoi(v) > 0;
+  if (v != "true" && v != "false" && v != "node" && !count) {
+    throw ConfigError(fmt::format(
+        "--reshard-after-forward {}: accepted: true, false, node, or a rank count >= 1", v));
+  }
+  if (cfg.pp > 1 && (count || v == "node")) {
+    throw ConfigError(fmt::format(
+        "--reshard-after-forward {}: hpZ does not combine with --pp (each stage keeps its "
+        "layers gathered across microbatches, or re-gathers them: true | false)",
+        v));
+  }
+}
+
+// --tp and --pp against each other and the world size; the pipeline-only
+// flags without --pp.
+void resolve_tp_and_pp(TrainConfig& cfg, int world_size) {
+  if (cfg.tp < 1) throw ConfigError(fmt::format("--tp {}: must be >= 1", cfg.tp));
+  if (cfg.tp == 1 && (cfg.sequence_parallel || cfg.loss_parallel)) {
+    throw ConfigError(fmt::format("{}: needs tensor parallelism (--tp 2 or more)",
+                                  cfg.sequence_parallel ? "--sequence-parallel"
+                                                        : "--loss-parallel"));
+  }
+  if (world_size % cfg.tp != 0) {
+    throw ConfigError(fmt::format(
+        "--tp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the tp size",
+        cfg.tp, world_size, world_size));
+  }
+  if (cfg.pp < 1) throw ConfigError(fmt::format("--pp {}: must be >= 1", cfg.pp));
+  if (cfg.pp == 1) {
+    const char* flag = !cfg.schedule.empty()      ? "--schedule"
+                       : cfg.microbatches != 0    ? "--microbatches"
+                       : cfg.stages_per_rank != 0 ? "--stages-per-rank"
+                                                  : nullptr;
+    if (flag != nullptr) {
+      throw ConfigError(
+          fmt::format("{}: needs pipeline parallelism (--pp 2 or more)", flag));
+    }
+    cfg.stages_per_rank = 1;
+  } else {
+    if (cfg.tp > 1) {
+      throw ConfigError(fmt::format(
+          "--pp {}: pipeline parallelism does not combine with --tp {} in fsdp-train; use one "
+          "of them (with data parallelism over the other ranks)",
+          cfg.pp, cfg.tp));
+    }
+    if (world_size % cfg.pp != 0) {
+      throw ConfigError(fmt::format(
+          "--pp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the pp size",
+          cfg.pp, world_size, world_size));
+    }
+  }
+}
+
+// --mesh into mesh_shape, its product times tp x pp equal to the world size;
+// the data-parallel size.
+void resolve_mesh(TrainConfig& cfg, int world_size) {
+  const int64_t model_parallel = cfg.tp * cfg.pp;
+  if (cfg.mesh.empty()) {
+    cfg.mesh_shape = {world_size / model_parallel};
+  } else {
+    const auto x = cfg.mesh.find('x');
+    if (x == std::string::npos) {
+      cfg.mesh_shape = {parse_dim(cfg.mesh, cfg.mesh)};
+    } else {
+      cfg.mesh_shape = {parse_dim(cfg.mesh.substr(0, x), cfg.mesh),
+                        parse_dim(cfg.mesh.substr(x + 1), cfg.mesh)};
+    }
+  }
+  // A dim above the world size cannot be part of a product equal to it (and
+  // could overflow the product).
+  // Two dims below 2^31 multiply without overflow; a larger one is reported
+  // as "more than" the world size.
+  int64_t product = 1;
+  bool beyond = false;
+  for (auto d : cfg.mesh_shape) {
+    if (d > std::numeric_limits<int32_t>::max()) beyond = true;
+    product = beyond ? int64_t{world_size} + 1 : product * d;
+  }
+  if (beyond || product * model_parallel != world_size) {
+    const std::string with = cfg.tp > 1   ? fmt::format(" with --tp {}", cfg.tp)
+                             : cfg.pp > 1 ? fmt::format(" with --pp {}", cfg.pp)
+                                          : "";
+    throw ConfigError(fmt::format(
+        "--mesh {}: the mesh has {} ranks{} but the job has {} (mpiexec -n {}); the product of "
+        "the mesh dims{} must equal the world size",
+        cfg.mesh,
+        beyond ? fmt::format("more than {}", world_size)
+               : std::to_string(product * model_parallel),
+        with, world_size, world_size,
+        cfg.tp > 1 ? " times --tp" : cfg.pp > 1 ? " times --pp" : ""));
+  }
+  // FSDP and HSDP alike: every data-parallel coordinate takes its own slice
+  // of the global batch, shared by the tp ranks there (by the stages of its
+  // pipeline with --pp).
+  cfg.dp_size = world_size / model_parallel;
+}
+
+// --steps, --seq and --batch against their bounds, the corpus and the
+// data-parallel size.
+void check_steps_and_batch(const TrainConfig& cfg, int64_t data_bytes) {
+  if (cfg.steps < 1 || cfg.steps > kMaxSteps) {
+    throw ConfigError(fmt::format("--steps {}: must be in [1, {}]", cfg.steps, kMaxSteps));
+  }
+  if (cfg.seq < 1) throw ConfigError(fmt::format("--seq {}: must be >= 1", cfg.seq));
+  // Before --seq + 1 is formed (--seq 2^63 - 1 overflowed it).
+  if (cfg.seq >= data_bytes) {
+    throw ConfigError(fmt::format("--data {}: {} bytes, fewer than --seq + 1 (--seq {}); "
+                                  "accepted: --seq below the corpus size",
+                                  cfg.data, data_bytes, cfg.seq));
+  }
+  if (cfg.batch < 1 || cfg.batch % cfg.dp_size != 0) {
+    throw ConfigError(fmt::format(
+        "--batch {}: the global batch must be a positive multiple of the data-parallel size {}",
+        cfg.batch, cfg.dp_size));
+  }
+  // --batch x (--seq + 1) tokens are drawn per step: 2^62 sequences
+  // overflowed the product and ended in a LibTorch stack trace.
+  if (cfg.batch > kMaxTokensPerStep / (cfg.seq + 1)) {
+    throw ConfigError(fmt::format(
+        "--batch {}: --batch x (--seq + 1) = {} x {} tokens per step exceeds {}; accepted: "
+        "--batch <= {} at --seq {}",
+        cfg.batch, cfg.batch, cfg.seq + 1, kMaxTokensPerStep,
+        kMaxTokensPerStep / (cfg.seq + 1), cfg.seq));
+  }
+}
+
+// The optimizer, checkpoint, logging and verification flags; --log-every's
+// default.
+void resolve_training_flags(TrainConfig& cfg) {
+  if (!(cfg.adam_eps > 0) || !std::isfinite(cfg.adam_eps)) {
+    throw ConfigError(fmt::format("--adam-eps {}: must be > 0", cfg.adam_eps));
+  }
+  if (!(cfg.lr > 0) || !std::isfinite(cfg.lr)) {
+    throw ConfigError(fmt::format("--lr {}: must be > 0", cfg.lr));
+  }
+  if (!(cfg.clip >= 0) || !std::isfinite(cfg.clip)) {
+    throw ConfigError(fmt::format("--clip {}: must be >= 0 (0: no clipping)", cfg.clip));
+  }
+  if (cfg.checkpoint_every < 0) {
+    throw ConfigError(fmt::format("--checkpoint-every {}: must be >= 0", cfg.checkpoint_every));
+  }
+  if (cfg.log_every < 0) throw ConfigError(fmt::format("--log-every {}: must be >= 0", cfg.log_every));
+  if (cfg.log_every == 0) cfg.log_every = cfg.steps > 200 ? cfg.steps / 100 : 1;
+  // NaN passed the old `< 0` test (and meant the default); inf let every
+  // comparison pass.
+  if (!(cfg.verify_tol >= 0) || !std::isfinite(cfg.verify_tol)) {
+    throw ConfigError(fmt::format("--verify-tol {}: must be a finite number > 0", cfg.verify_tol));
+  }
+  if (cfg.out.empty()) throw ConfigError("--out: empty path");
+  if (cfg.fp8() && !fsdp::float8_supported()) {
+    throw ConfigError(fmt::format("--mp fp8: this LibTorch ({}) has no float8 dtypes; use a "
+                                  "LibTorch 2.1 or later (ci/pip-torch.sh), or --mp bf16",
+                                  TORCH_VERSION));
+  }
+  if (cfg.fp8() && cfg.verify) {
+    throw ConfigError("--mp fp8 --verify: the single-card reference computes in bf16 and the "
+                      "float8 gather rounds the weights further by design; compare loss curves "
+                      "(docs/float8.md) instead");
+  }
+}
+
+// --mesh, --tp, --pp and --moe with their options: how the ranks split the
+// model and the data.
+void add_parallel_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--mesh", cfg.mesh,
                  "the data-parallel mesh: N (1-D FSDP) or RxS (HSDP: R replicas x S shards); "
                  "the product times --tp times --pp must be the world size [default: 1-D, "
@@ -231,6 +394,11 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--ep", cfg.ep,
                  "with --moe: expert-parallel size, dividing the world and --experts; ep rank r "
                  "owns experts [r E/ep, (r+1) E/ep) [default: 1, every rank every expert]");
+}
+
+// The model, its initialisation or weights, device, precision, resharding and
+// activation checkpointing.
+void add_model_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--model", cfg.model,
                  "plan: the plan's byte decoder (hidden 256, 4 heads, 4 layers: 3.3M "
                  "parameters); large: hidden 1024, 16 heads, 16 layers (202M parameters, 808 MB "
@@ -280,6 +448,10 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--ac", cfg.ac, "activation checkpointing of the decoder layers: none|all|every-2")
       ->check(CLI::IsMember({"none", "all", "every-2"}))
       ->capture_default_str();
+}
+
+// Steps, batches, the optimizer, the seed and the data; --out.
+void add_training_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--steps", cfg.steps, "optimizer steps (in all, counting resumed ones)")
       ->capture_default_str();
   app.add_option("--batch", cfg.batch,
@@ -325,6 +497,10 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
         }
       })
       ->capture_default_str();
+}
+
+// Checkpoints, --resume, --verify and what is printed.
+void add_checkpoint_and_report_flags(CLI::App& app, TrainConfig& cfg) {
   app.add_option("--checkpoint-every", cfg.checkpoint_every,
                  "also checkpoint every N steps [default: at the end only]");
   app.add_option("--async-save", cfg.async_save,
@@ -350,6 +526,52 @@ void add_flags(CLI::App& app, TrainConfig& cfg) {
                  "progress line every N steps [default: 1, or steps/100 above 200 steps]");
 }
 
+}  // namespace
+
+std::string TrainConfig::mesh_string() const {
+  const std::string dims = mesh_shape.size() == 2
+                               ? fmt::format("[{}x{}]", mesh_shape[0], mesh_shape[1])
+                               : fmt::format("[{}]", mesh_shape.empty() ? 0 : mesh_shape[0]);
+  if (pipelined()) {
+    return fmt::format("pp {} x {} (PP + {}: {}{}, {} microbatches of {})", pp, dims,
+                       hsdp() ? "HSDP" : "FSDP", schedule,
+                       stages_per_rank > 1 ? fmt::format(", {} stages per rank", stages_per_rank)
+                                           : "",
+                       microbatches, local_batch() / microbatches);
+  }
+  if (moe) {
+    return fmt::format("{} (FSDP; experts: efsdp {} x ep {}, {} experts, top-{})", dims, efsdp(),
+                       ep, experts, top_k);
+  }
+  if (tp == 1) {
+    return dims + (hsdp() ? " (replicate x shard, HSDP)" : " (FSDP)");
+  }
+  return fmt::format("{} x tp {} ({} + TP{}{})", dims, tp, hsdp() ? "HSDP" : "FSDP",
+                     sequence_parallel ? ", sequence parallel" : "",
+                     loss_parallel ? ", loss parallel" : "");
+}
+
+double TrainConfig::tolerance() const {
+  if (verify_tol > 0) return verify_tol;
+  return bf16() ? 1e-3 : 1e-4;
+}
+
+void add_flags(CLI::App& app, TrainConfig& cfg) {
+  cfg.data = FSDP_TRAIN_CORPUS;
+  // FlagErrors print as ConfigErrors do; CLI11's own errors keep its format.
+  app.failure_message([](const CLI::App* a, const CLI::Error& e) -> std::string {
+    if (dynamic_cast<const FlagError*>(&e) != nullptr) {
+      return std::string("fsdp-train: error: ") + e.what() + "\n";
+    }
+    return CLI::FailureMessage::simple(a, e);
+  });
+  // In --help's order.
+  add_parallel_flags(app, cfg);
+  add_model_flags(app, cfg);
+  add_training_flags(app, cfg);
+  add_checkpoint_and_report_flags(app, cfg);
+}
+
 fsdp::ReshardAfterForward reshard_after_forward_option(const TrainConfig& cfg) {
   const std::string& v = cfg.reshard_after_forward;
   if (v == "true" || v == "false") return v == "true";
@@ -358,184 +580,17 @@ fsdp::ReshardAfterForward reshard_after_forward_option(const TrainConfig& cfg) {
 }
 
 void resolve(TrainConfig& cfg, int world_size, int64_t data_bytes) {
-  if (cfg.model == "large") {
-    cfg.hidden = 1024;
-    cfg.heads = 16;
-    if (!cfg.layers_given) cfg.layers = 16;
-  }
-  {
-    const bool structured = cfg.tp > 1 || cfg.pp > 1 || cfg.moe;
-    if (cfg.init == "deferred" && structured) {
-      throw ConfigError(fmt::format(
-          "--init deferred: {} builds its model from a whole one (use --init full or auto)",
-          cfg.tp > 1 ? "--tp" : cfg.pp > 1 ? "--pp" : "--moe"));
-    }
-    if (cfg.init == "auto") cfg.init = structured ? "full" : "deferred";
-    if (!cfg.load.empty()) {
-      if (structured) {
-        throw ConfigError(fmt::format(
-            "--load {}: loads into the FSDP/HSDP decoder only, not with {}", cfg.load,
-            cfg.tp > 1 ? "--tp" : cfg.pp > 1 ? "--pp" : "--moe"));
-      }
-      if (cfg.resume) {
-        throw ConfigError(fmt::format(
-            "--load {}: --resume continues from the run's own checkpoint; use one of them",
-            cfg.load));
-      }
-      std::error_code ec;
-      if (!std::filesystem::exists(cfg.load, ec)) {
-        throw ConfigError(fmt::format("--load {}: no such file or directory", cfg.load));
-      }
-    }
-  }
-  {
-    const std::string& v = cfg.reshard_after_forward;
-    const bool count = !v.empty() && v.size() < 9 &&
-                       v.find_first_not_of("0123456789") == std::string::npos && std::stoi(v) > 0;
-    if (v != "true" && v != "false" && v != "node" && !count) {
-      throw ConfigError(fmt::format(
-          "--reshard-after-forward {}: accepted: true, false, node, or a rank count >= 1", v));
-    }
-    if (cfg.pp > 1 && (count || v == "node")) {
-      throw ConfigError(fmt::format(
-          "--reshard-after-forward {}: hpZ does not combine with --pp (each stage keeps its "
-          "layers gathered across microbatches, or re-gathers them: true | false)",
-          v));
-    }
-  }
-  if (cfg.tp < 1) throw ConfigError(fmt::format("--tp {}: must be >= 1", cfg.tp));
-  if (cfg.tp == 1 && (cfg.sequence_parallel || cfg.loss_parallel)) {
-    throw ConfigError(fmt::format("{}: needs tensor parallelism (--tp 2 or more)",
-                                  cfg.sequence_parallel ? "--sequence-parallel"
-                                                        : "--loss-parallel"));
-  }
-  if (world_size % cfg.tp != 0) {
-    throw ConfigError(fmt::format(
-        "--tp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the tp size",
-        cfg.tp, world_size, world_size));
-  }
-  if (cfg.pp < 1) throw ConfigError(fmt::format("--pp {}: must be >= 1", cfg.pp));
-  if (cfg.pp == 1) {
-    const char* flag = !cfg.schedule.empty()      ? "--schedule"
-                       : cfg.microbatches != 0    ? "--microbatches"
-                       : cfg.stages_per_rank != 0 ? "--stages-per-rank"
-                                                  : nullptr;
-    if (flag != nullptr) {
-      throw ConfigError(
-          fmt::format("{}: needs pipeline parallelism (--pp 2 or more)", flag));
-    }
-    cfg.stages_per_rank = 1;
-  } else {
-    if (cfg.tp > 1) {
-      throw ConfigError(fmt::format(
-          "--pp {}: pipeline parallelism does not combine with --tp {} in fsdp-train; use one "
-          "of them (with data parallelism over the other ranks)",
-          cfg.pp, cfg.tp));
-    }
-    if (world_size % cfg.pp != 0) {
-      throw ConfigError(fmt::format(
-          "--pp {}: the job has {} ranks (mpiexec -n {}), which do not divide by the pp size",
-          cfg.pp, world_size, world_size));
-    }
-  }
+  resolve_model_and_init(cfg);
+  check_reshard_after_forward(cfg);
+  resolve_tp_and_pp(cfg, world_size);
   if (cfg.layers < 1 || cfg.layers > kMaxLayers) {
     throw ConfigError(fmt::format("--layers {}: must be in [1, {}]", cfg.layers, kMaxLayers));
   }
   resolve_moe(cfg, world_size);
-  const int64_t model_parallel = cfg.tp * cfg.pp;
-  if (cfg.mesh.empty()) {
-    cfg.mesh_shape = {world_size / model_parallel};
-  } else {
-    const auto x = cfg.mesh.find('x');
-    if (x == std::string::npos) {
-      cfg.mesh_shape = {parse_dim(cfg.mesh, cfg.mesh)};
-    } else {
-      cfg.mesh_shape = {parse_dim(cfg.mesh.substr(0, x), cfg.mesh),
-                        parse_dim(cfg.mesh.substr(x + 1), cfg.mesh)};
-    }
-  }
-  // A dim above the world size cannot be part of a product equal to it (and
-  // could overflow the product).
-  // Two dims below 2^31 multiply without overflow; a larger one is reported
-  // as "more than" the world size.
-  int64_t product = 1;
-  bool beyond = false;
-  for (auto d : cfg.mesh_shape) {
-    if (d > std::numeric_limits<int32_t>::max()) beyond = true;
-    product = beyond ? int64_t{world_size} + 1 : product * d;
-  }
-  if (beyond || product * model_parallel != world_size) {
-    const std::string with = cfg.tp > 1   ? fmt::format(" with --tp {}", cfg.tp)
-                             : cfg.pp > 1 ? fmt::format(" with --pp {}", cfg.pp)
-                                          : "";
-    throw ConfigError(fmt::format(
-        "--mesh {}: the mesh has {} ranks{} but the job has {} (mpiexec -n {}); the product of "
-        "the mesh dims{} must equal the world size",
-        cfg.mesh,
-        beyond ? fmt::format("more than {}", world_size)
-               : std::to_string(product * model_parallel),
-        with, world_size, world_size,
-        cfg.tp > 1 ? " times --tp" : cfg.pp > 1 ? " times --pp" : ""));
-  }
-  // FSDP and HSDP alike: every data-parallel coordinate takes its own slice
-  // of the global batch, shared by the tp ranks there (by the stages of its
-  // pipeline with --pp).
-  cfg.dp_size = world_size / model_parallel;
-  if (cfg.steps < 1 || cfg.steps > kMaxSteps) {
-    throw ConfigError(fmt::format("--steps {}: must be in [1, {}]", cfg.steps, kMaxSteps));
-  }
-  if (cfg.seq < 1) throw ConfigError(fmt::format("--seq {}: must be >= 1", cfg.seq));
-  // Before --seq + 1 is formed (--seq 2^63 - 1 overflowed it).
-  if (cfg.seq >= data_bytes) {
-    throw ConfigError(fmt::format("--data {}: {} bytes, fewer than --seq + 1 (--seq {}); "
-                                  "accepted: --seq below the corpus size",
-                                  cfg.data, data_bytes, cfg.seq));
-  }
-  if (cfg.batch < 1 || cfg.batch % cfg.dp_size != 0) {
-    throw ConfigError(fmt::format(
-        "--batch {}: the global batch must be a positive multiple of the data-parallel size {}",
-        cfg.batch, cfg.dp_size));
-  }
-  // --batch x (--seq + 1) tokens are drawn per step: 2^62 sequences
-  // overflowed the product and ended in a LibTorch stack trace.
-  if (cfg.batch > kMaxTokensPerStep / (cfg.seq + 1)) {
-    throw ConfigError(fmt::format(
-        "--batch {}: --batch x (--seq + 1) = {} x {} tokens per step exceeds {}; accepted: "
-        "--batch <= {} at --seq {}",
-        cfg.batch, cfg.batch, cfg.seq + 1, kMaxTokensPerStep,
-        kMaxTokensPerStep / (cfg.seq + 1), cfg.seq));
-  }
+  resolve_mesh(cfg, world_size);
+  check_steps_and_batch(cfg, data_bytes);
   if (cfg.pipelined()) resolve_pipeline(cfg);
-  if (!(cfg.adam_eps > 0) || !std::isfinite(cfg.adam_eps)) {
-    throw ConfigError(fmt::format("--adam-eps {}: must be > 0", cfg.adam_eps));
-  }
-  if (!(cfg.lr > 0) || !std::isfinite(cfg.lr)) {
-    throw ConfigError(fmt::format("--lr {}: must be > 0", cfg.lr));
-  }
-  if (!(cfg.clip >= 0) || !std::isfinite(cfg.clip)) {
-    throw ConfigError(fmt::format("--clip {}: must be >= 0 (0: no clipping)", cfg.clip));
-  }
-  if (cfg.checkpoint_every < 0) {
-    throw ConfigError(fmt::format("--checkpoint-every {}: must be >= 0", cfg.checkpoint_every));
-  }
-  if (cfg.log_every < 0) throw ConfigError(fmt::format("--log-every {}: must be >= 0", cfg.log_every));
-  if (cfg.log_every == 0) cfg.log_every = cfg.steps > 200 ? cfg.steps / 100 : 1;
-  // NaN passed the old `< 0` test (and meant the default); inf let every
-  // comparison pass.
-  if (!(cfg.verify_tol >= 0) || !std::isfinite(cfg.verify_tol)) {
-    throw ConfigError(fmt::format("--verify-tol {}: must be a finite number > 0", cfg.verify_tol));
-  }
-  if (cfg.out.empty()) throw ConfigError("--out: empty path");
-  if (cfg.fp8() && !fsdp::float8_supported()) {
-    throw ConfigError(fmt::format("--mp fp8: this LibTorch ({}) has no float8 dtypes; use a "
-                                  "LibTorch 2.1 or later (ci/pip-torch.sh), or --mp bf16",
-                                  TORCH_VERSION));
-  }
-  if (cfg.fp8() && cfg.verify) {
-    throw ConfigError("--mp fp8 --verify: the single-card reference computes in bf16 and the "
-                      "float8 gather rounds the weights further by design; compare loss curves "
-                      "(docs/float8.md) instead");
-  }
+  resolve_training_flags(cfg);
 }
 
 nlohmann::json numerics_json(const TrainConfig& cfg, int64_t data_bytes, uint64_t data_hash) {

@@ -25,6 +25,7 @@ min_tests="${MIN_TESTS:-40}"
 # ci/build.sh's flags: the same compile commands, so ccache has the objects.
 export FSDP_CMAKE_ARGS="${FSDP_CMAKE_ARGS:--DFSDP_WARNINGS_AS_ERRORS=ON}"
 train=/bin/true  # slurm-lib.sh checks a program; this check runs none of its own
+slurm_shares=("$build")  # the batch script's build tree: the nodes must see it
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 rm -rf "$work"
 mkdir -p "$work"

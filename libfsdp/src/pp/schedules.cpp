@@ -202,165 +202,235 @@ std::vector<std::vector<Slot>> build_schedule(ScheduleKind kind, int pp, int v, 
   return slots;
 }
 
-std::string check_schedule(const std::vector<std::vector<Slot>>& schedule, int pp, int stages,
-                           int n) {
-  std::ostringstream err;
-  if (static_cast<int>(schedule.size()) != pp) {
-    err << "the schedule has " << schedule.size() << " ranks, expected " << pp;
-    return err.str();
-  }
-  const size_t length = schedule.empty() ? 0 : schedule[0].size();
-  for (int r = 0; r < pp; ++r) {
-    if (schedule[r].size() != length) {
-      err << "rank " << r << " has " << schedule[r].size() << " slots, rank 0 " << length;
-      return err.str();
+namespace {
+
+// check_schedule's walk through the slots, one step per method; each returns
+// the first violation it finds ("" for none).
+class ScheduleChecker {
+ public:
+  ScheduleChecker(const std::vector<std::vector<Slot>>& schedule, int pp, int stages, int n)
+      : schedule_(schedule), pp_(pp), stages_(stages), n_(n) {}
+
+  std::string run() {
+    std::string err = check_shape();
+    const size_t length = schedule_.empty() ? 0 : schedule_[0].size();
+    for (size_t t = 0; err.empty() && t < length; ++t) {
+      err = check_transfers(t);
+      if (err.empty()) err = check_compute(t);
     }
+    return err.empty() ? check_complete() : err;
   }
-  auto in_range = [&](const Action& a) {
-    return a.stage >= 0 && a.stage < stages &&
-           (a.type == ActionType::Unshard || a.type == ActionType::ReduceGrad ||
-            (a.microbatch >= 0 && a.microbatch < n));
-  };
-  // Transfers, per slot: (from rank, to rank, is_grad, sender stage, mb) -> count.
+
+ private:
+  // (from rank, to rank, is_grad, sender stage, mb)
   using Transfer = std::tuple<int, int, bool, int, int>;
-  std::set<Key> forwards, backwards;
-  std::set<Key> have_input, have_grad;  // arrived at the consumer's rank
-  std::set<int> reduced;
-  auto not_its_stage = [&err](size_t t, int r, const Action& a) {
+
+  bool in_range(const Action& a) const {
+    return a.stage >= 0 && a.stage < stages_ &&
+           (a.type == ActionType::Unshard || a.type == ActionType::ReduceGrad ||
+            (a.microbatch >= 0 && a.microbatch < n_));
+  }
+  bool its_stage(int r, const Action& a) const {
+    return in_range(a) && stage_rank(a.stage, pp_) == r;
+  }
+  static std::string not_its_stage(size_t t, int r, const Action& a) {
+    std::ostringstream err;
     err << "slot " << t << ": rank " << r << " runs " << to_string(a)
         << ", which is not one of its stages (or out of range)";
     return err.str();
-  };
-  for (size_t t = 0; t < length; ++t) {
+  }
+
+  // One list of slots per rank, all of the same length.
+  std::string check_shape() const {
+    std::ostringstream err;
+    if (static_cast<int>(schedule_.size()) != pp_) {
+      err << "the schedule has " << schedule_.size() << " ranks, expected " << pp_;
+      return err.str();
+    }
+    const size_t length = schedule_.empty() ? 0 : schedule_[0].size();
+    for (int r = 0; r < pp_; ++r) {
+      if (schedule_[r].size() != length) {
+        err << "rank " << r << " has " << schedule_[r].size() << " slots, rank 0 " << length;
+        return err.str();
+      }
+    }
+    return "";
+  }
+
+  // Slot t's transfers: each send matched by a receive in the same slot and
+  // the other way round; what arrives is then at its consumer's rank.
+  std::string check_transfers(size_t t) {
     std::map<Transfer, int> sends, recvs;
-    for (int r = 0; r < pp; ++r) {
-      for (const Action& a : schedule[r][t].comm) {
-        if (!in_range(a) || stage_rank(a.stage, pp) != r) return not_its_stage(t, r, a);
-        switch (a.type) {
-          case ActionType::SendForward:
-            if (a.stage + 1 >= stages) break;
-            ++sends[{r, stage_rank(a.stage + 1, pp), false, a.stage, a.microbatch}];
-            continue;
-          case ActionType::SendBackward:
-            if (a.stage == 0) break;
-            ++sends[{r, stage_rank(a.stage - 1, pp), true, a.stage, a.microbatch}];
-            continue;
-          case ActionType::RecvForward:
-            if (a.stage == 0) break;
-            ++recvs[{stage_rank(a.stage - 1, pp), r, false, a.stage - 1, a.microbatch}];
-            continue;
-          case ActionType::RecvBackward:
-            if (a.stage + 1 >= stages) break;
-            ++recvs[{stage_rank(a.stage + 1, pp), r, true, a.stage + 1, a.microbatch}];
-            continue;
-          default: break;
-        }
-        err << "slot " << t << ": rank " << r << " has " << to_string(a)
-            << " in its transfers, which is not a transfer to an existing stage";
-        return err.str();
-      }
-    }
-    for (const auto& [tr, count] : sends) {
-      auto it = recvs.find(tr);
-      if (it == recvs.end() || it->second != count) {
-        const auto& [from, to, is_grad, s, m] = tr;
-        err << "slot " << t << ": rank " << from << "'s "
-            << to_string({is_grad ? ActionType::SendBackward : ActionType::SendForward, s, m})
-            << " has no matching receive on rank " << to << " in the same slot";
-        return err.str();
-      }
-    }
-    for (const auto& [tr, count] : recvs) {
-      auto it = sends.find(tr);
-      if (it == sends.end() || it->second != count) {
-        const auto& [from, to, is_grad, s, m] = tr;
-        const int own = is_grad ? s - 1 : s + 1;
-        err << "slot " << t << ": rank " << to << "'s "
-            << to_string({is_grad ? ActionType::RecvBackward : ActionType::RecvForward, own, m})
-            << " has no matching send on rank " << from << " in the same slot";
-        return err.str();
-      }
-    }
+    std::string err = collect_transfers(t, sends, recvs);
+    if (err.empty()) err = match(t, sends, recvs, /*sends_first=*/true);
+    if (err.empty()) err = match(t, recvs, sends, /*sends_first=*/false);
+    if (!err.empty()) return err;
     for (const auto& [tr, count] : recvs) {
       const auto& [from, to, is_grad, s, m] = tr;
       (void)from;
       (void)to;
       (void)count;
-      (is_grad ? have_grad : have_input).insert({is_grad ? s - 1 : s + 1, m});
+      (is_grad ? have_grad_ : have_input_).insert({is_grad ? s - 1 : s + 1, m});
     }
-    for (int r = 0; r < pp; ++r) {
-      for (const Action& a : schedule[r][t].compute) {
-        if (!in_range(a) || stage_rank(a.stage, pp) != r) return not_its_stage(t, r, a);
-        const Key k{a.stage, a.microbatch};
-        switch (a.type) {
-          case ActionType::Forward:
-            if (forwards.count(k)) {
-              err << "slot " << t << ": " << to_string(a) << " runs twice";
-              return err.str();
-            }
-            if (a.stage > 0 && !have_input.count(k)) {
-              err << "slot " << t << ": " << to_string(a) << " runs before its input arrived";
-              return err.str();
-            }
-            forwards.insert(k);
-            // A consumer on the same rank has it at once.
-            if (a.stage + 1 < stages && stage_rank(a.stage + 1, pp) == r) {
-              have_input.insert({a.stage + 1, a.microbatch});
-            }
-            break;
-          case ActionType::Backward:
-            if (backwards.count(k)) {
-              err << "slot " << t << ": " << to_string(a) << " runs twice";
-              return err.str();
-            }
-            if (!forwards.count(k)) {
-              err << "slot " << t << ": " << to_string(a) << " runs before its forward";
-              return err.str();
-            }
-            if (a.stage + 1 < stages && !have_grad.count(k)) {
-              err << "slot " << t << ": " << to_string(a)
-                  << " runs before its output's gradient arrived";
-              return err.str();
-            }
-            backwards.insert(k);
-            if (a.stage > 0 && stage_rank(a.stage - 1, pp) == r) {
-              have_grad.insert({a.stage - 1, a.microbatch});
-            }
-            break;
-          case ActionType::ReduceGrad: {
-            int done = 0;
-            for (int m = 0; m < n; ++m) done += backwards.count({a.stage, m}) ? 1 : 0;
-            if (done != n || reduced.count(a.stage)) {
-              err << "slot " << t << ": " << to_string(a) << " runs "
-                  << (reduced.count(a.stage) ? "twice" : "before the stage's last backward");
-              return err.str();
-            }
-            reduced.insert(a.stage);
-            break;
-          }
-          case ActionType::Unshard: break;
-          default:
-            err << "slot " << t << ": rank " << r << " has " << to_string(a)
-                << " among its compute actions";
-            return err.str();
-        }
-      }
-    }
+    return "";
   }
-  for (int s = 0; s < stages; ++s) {
-    for (int m = 0; m < n; ++m) {
-      if (!forwards.count({s, m}) || !backwards.count({s, m})) {
-        err << "stage " << s << " microbatch " << m << " lacks its "
-            << (!forwards.count({s, m}) ? "forward" : "backward");
+
+  std::string collect_transfers(size_t t, std::map<Transfer, int>& sends,
+                                std::map<Transfer, int>& recvs) const {
+    for (int r = 0; r < pp_; ++r) {
+      for (const Action& a : schedule_[r][t].comm) {
+        if (!its_stage(r, a)) return not_its_stage(t, r, a);
+        switch (a.type) {
+          case ActionType::SendForward:
+            if (a.stage + 1 >= stages_) break;
+            ++sends[{r, stage_rank(a.stage + 1, pp_), false, a.stage, a.microbatch}];
+            continue;
+          case ActionType::SendBackward:
+            if (a.stage == 0) break;
+            ++sends[{r, stage_rank(a.stage - 1, pp_), true, a.stage, a.microbatch}];
+            continue;
+          case ActionType::RecvForward:
+            if (a.stage == 0) break;
+            ++recvs[{stage_rank(a.stage - 1, pp_), r, false, a.stage - 1, a.microbatch}];
+            continue;
+          case ActionType::RecvBackward:
+            if (a.stage + 1 >= stages_) break;
+            ++recvs[{stage_rank(a.stage + 1, pp_), r, true, a.stage + 1, a.microbatch}];
+            continue;
+          default: break;
+        }
+        std::ostringstream err;
+        err << "slot " << t << ": rank " << r << " has " << to_string(a)
+            << " in its transfers, which is not a transfer to an existing stage";
         return err.str();
       }
     }
-    if (!reduced.count(s)) {
-      err << "stage " << s << " has no " << to_string({ActionType::ReduceGrad, s, -1});
+    return "";
+  }
+
+  // Every transfer of `these` (the sends, or the receives) has as many of
+  // its kind in `those` (the receives, or the sends).
+  static std::string match(size_t t, const std::map<Transfer, int>& these,
+                           const std::map<Transfer, int>& those, bool sends_first) {
+    for (const auto& [tr, count] : these) {
+      auto it = those.find(tr);
+      if (it != those.end() && it->second == count) continue;
+      const auto& [from, to, is_grad, s, m] = tr;
+      std::ostringstream err;
+      if (sends_first) {
+        err << "slot " << t << ": rank " << from << "'s "
+            << to_string({is_grad ? ActionType::SendBackward : ActionType::SendForward, s, m})
+            << " has no matching receive on rank " << to << " in the same slot";
+      } else {
+        const int own = is_grad ? s - 1 : s + 1;
+        err << "slot " << t << ": rank " << to << "'s "
+            << to_string({is_grad ? ActionType::RecvBackward : ActionType::RecvForward, own, m})
+            << " has no matching send on rank " << from << " in the same slot";
+      }
       return err.str();
     }
+    return "";
   }
-  return "";
+
+  // Slot t's compute actions, in order, against what has run and arrived.
+  std::string check_compute(size_t t) {
+    for (int r = 0; r < pp_; ++r) {
+      for (const Action& a : schedule_[r][t].compute) {
+        if (!its_stage(r, a)) return not_its_stage(t, r, a);
+        std::string err;
+        switch (a.type) {
+          case ActionType::Forward: err = forward(t, r, a); break;
+          case ActionType::Backward: err = backward(t, r, a); break;
+          case ActionType::ReduceGrad: err = reduce_grad(t, a); break;
+          case ActionType::Unshard: break;
+          default: {
+            std::ostringstream os;
+            os << "slot " << t << ": rank " << r << " has " << to_string(a)
+               << " among its compute actions";
+            err = os.str();
+          }
+        }
+        if (!err.empty()) return err;
+      }
+    }
+    return "";
+  }
+
+  // "slot <t>: <a> runs <when>"
+  static std::string runs(size_t t, const Action& a, const char* when) {
+    std::ostringstream err;
+    err << "slot " << t << ": " << to_string(a) << " runs " << when;
+    return err.str();
+  }
+
+  std::string forward(size_t t, int r, const Action& a) {
+    const Key k{a.stage, a.microbatch};
+    if (forwards_.count(k)) return runs(t, a, "twice");
+    if (a.stage > 0 && !have_input_.count(k)) return runs(t, a, "before its input arrived");
+    forwards_.insert(k);
+    // A consumer on the same rank has it at once.
+    if (a.stage + 1 < stages_ && stage_rank(a.stage + 1, pp_) == r) {
+      have_input_.insert({a.stage + 1, a.microbatch});
+    }
+    return "";
+  }
+
+  std::string backward(size_t t, int r, const Action& a) {
+    const Key k{a.stage, a.microbatch};
+    if (backwards_.count(k)) return runs(t, a, "twice");
+    if (!forwards_.count(k)) return runs(t, a, "before its forward");
+    if (a.stage + 1 < stages_ && !have_grad_.count(k)) {
+      return runs(t, a, "before its output's gradient arrived");
+    }
+    backwards_.insert(k);
+    if (a.stage > 0 && stage_rank(a.stage - 1, pp_) == r) {
+      have_grad_.insert({a.stage - 1, a.microbatch});
+    }
+    return "";
+  }
+
+  std::string reduce_grad(size_t t, const Action& a) {
+    int done = 0;
+    for (int m = 0; m < n_; ++m) done += backwards_.count({a.stage, m}) ? 1 : 0;
+    if (done != n_ || reduced_.count(a.stage)) {
+      return runs(t, a, reduced_.count(a.stage) ? "twice" : "before the stage's last backward");
+    }
+    reduced_.insert(a.stage);
+    return "";
+  }
+
+  // After the last slot: every stage ran each microbatch's forward and
+  // backward, and reduced its gradients.
+  std::string check_complete() const {
+    std::ostringstream err;
+    for (int s = 0; s < stages_; ++s) {
+      for (int m = 0; m < n_; ++m) {
+        if (!forwards_.count({s, m}) || !backwards_.count({s, m})) {
+          err << "stage " << s << " microbatch " << m << " lacks its "
+              << (!forwards_.count({s, m}) ? "forward" : "backward");
+          return err.str();
+        }
+      }
+      if (!reduced_.count(s)) {
+        err << "stage " << s << " has no " << to_string({ActionType::ReduceGrad, s, -1});
+        return err.str();
+      }
+    }
+    return "";
+  }
+
+  const std::vector<std::vector<Slot>>& schedule_;
+  const int pp_, stages_, n_;
+  std::set<Key> forwards_, backwards_;
+  std::set<Key> have_input_, have_grad_;  // arrived at the consumer's rank
+  std::set<int> reduced_;
+};
+
+}  // namespace
+
+std::string check_schedule(const std::vector<std::vector<Slot>>& schedule, int pp, int stages,
+                           int n) {
+  return ScheduleChecker(schedule, pp, stages, n).run();
 }
 
 }  // namespace fsdp::pp

@@ -136,6 +136,118 @@ void set_blas_threads(int n) {
   }
 }
 
+// MPI_Init_thread(MPI_THREAD_MULTIPLE), unless the caller has initialised
+// MPI; whether this call did (and so owns MPI). Refuses a lower thread level.
+bool init_mpi(int* argc, char*** argv) {
+  bool owns_mpi = false;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = 0;
+  if (initialized) {
+    MPI_Query_thread(&provided);
+  } else {
+    // Each rank runs its compute threads (all its cores) plus a comm thread
+    // per process group, so Open MPI's default busy-polling inside blocking
+    // calls steals the cores compute needs (measured by fsdp-bench train at
+    // np 2 on 2 cores: FSDP 1.43x DDP's step time busy-polling, 0.97x
+    // yielding). An explicit setting by the user wins.
+    setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
+    detail::check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided),
+                      "MPI_Init_thread");
+    owns_mpi = true;
+  }
+  if (provided < MPI_THREAD_MULTIPLE) {
+    if (owns_mpi) MPI_Finalize();
+    throw StateError(
+        "MPI provides thread level " + std::to_string(provided) +
+        " but libfsdp needs MPI_THREAD_MULTIPLE (each process group communicates on its own "
+        "thread); use an MPI built with thread support (Debian's Open MPI has it)");
+  }
+  return owns_mpi;
+}
+
+// Settings that change which messages a collective sends must agree: a
+// rank with the desync check (communicators and an exchange per
+// collective) or another CPU algorithm would leave the others waiting.
+// One MPI_Allreduce(MIN) of each value and its negation finds any mismatch,
+// reported (after MPI_Finalize when `owns_mpi`) as an ArgumentError naming
+// the setting.
+// (`cpu` by value: detail::cpu::thresholds hands out pointers into it.)
+void agree_on_collective_settings(bool check_collectives, CpuCollectives cpu, int64_t shm_bytes,
+                                  bool owns_mpi) {
+  std::vector<int64_t> mine = {check_collectives ? 1 : 0, static_cast<int64_t>(cpu.algorithm)};
+  for (const auto& field : detail::cpu::thresholds(cpu)) mine.push_back(*field.second);
+  mine.push_back(shm_bytes);  // last: checked on its own below
+  const int kAgreed = static_cast<int>(mine.size());
+  std::vector<int64_t> both(2 * mine.size()), agreed(2 * mine.size());
+  for (int i = 0; i < kAgreed; ++i) {
+    both[static_cast<size_t>(i)] = mine[static_cast<size_t>(i)];
+    both[static_cast<size_t>(kAgreed + i)] = -mine[static_cast<size_t>(i)];
+  }
+  detail::check_mpi(MPI_Allreduce(both.data(), agreed.data(), 2 * kAgreed, MPI_INT64_T, MPI_MIN,
+                                  MPI_COMM_WORLD),
+                    "MPI_Allreduce");
+  auto differs = [&](int i) {
+    return agreed[static_cast<size_t>(i)] != -agreed[static_cast<size_t>(kAgreed + i)];
+  };
+  bool any = false;
+  for (int i = 0; i < kAgreed; ++i) any = any || differs(i);
+  if (!any) return;
+  if (owns_mpi) MPI_Finalize();
+  if (differs(0)) {
+    throw ArgumentError("FSDP_DEBUG",
+                        std::string("FSDP_DEBUG / RuntimeOptions::check_collectives differ "
+                                    "across ranks (this rank: ") +
+                            (check_collectives ? "detail" : "off") +
+                            "); set it the same on every rank");
+  }
+  if (differs(kAgreed - 1)) {
+    throw ArgumentError("FSDP_SHM_BYTES",
+                        "FSDP_SHM_BYTES differs across ranks (this rank: " +
+                            (shm_bytes < 0 ? std::string("unset") : std::to_string(shm_bytes)) +
+                            "); set it the same on every rank");
+  }
+  std::string fields;
+  const auto named = detail::cpu::thresholds(cpu);
+  for (int i = 2; i < kAgreed - 1; ++i) {
+    if (!differs(i)) continue;
+    const auto& [name, value] = named[static_cast<size_t>(i - 2)];
+    fields += std::string(", ") + name + " " + std::to_string(*value) + " B";
+  }
+  throw ArgumentError("FSDP_MPI_ALGO",
+                      "FSDP_MPI_ALGO / FSDP_MPI_ALGO_MIN_BYTES / "
+                      "RuntimeOptions::cpu_collectives differ across ranks (this rank: " +
+                          to_string(cpu.algorithm) + fields +
+                          "); set them the same on every rank");
+}
+
+// Compute threads per rank: the option, else FSDP_NUM_THREADS, else the
+// cores shared out among the node's ranks.
+int threads_per_rank(const RuntimeOptions& options, int local_size) {
+  int n = options.num_threads > 0 ? options.num_threads : threads_from_env();
+  if (n == 0) n = std::max(1, cores_available() / local_size);
+  // When mpirun binds each rank to its own cores the affinity mask is already
+  // the per-rank share; never exceed it.
+  if (options.num_threads == 0) n = std::min(n, cores_available());
+  return n;
+}
+
+// Rank 0's start-up line (RuntimeOptions::log_banner).
+void print_banner(const Runtime& rt, const CpuCollectives& cpu, bool check_collectives) {
+  const std::string& blas = rt.blas_library();
+  std::cerr << "[libfsdp] LibTorch " << compat::torch_version() << ", " << rt.world_size()
+            << " rank(s), " << rt.local_size() << " per node, " << rt.num_threads()
+            << " thread(s) per rank, device " << rt.device().str() << ", watchdog "
+            << (rt.timeout_seconds() > 0 ? seconds_text(rt.timeout_seconds()) : "off")
+            << (check_collectives ? ", collective checks on (FSDP_DEBUG=detail)" : "")
+            << ", CPU collectives " << to_string(cpu)
+            << ", BLAS " << blas
+            << (blas.find("openblas") == std::string::npos && !at::hasMKL()
+                    ? " (not OpenBLAS or MKL: GEMMs may be ~14x slower; install libopenblas0-pthread)"
+                    : "")
+            << std::endl;
+}
+
 }  // namespace
 
 std::string loaded_blas_library() {
@@ -154,81 +266,10 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   check_collectives_ = check_collectives_from(options.check_collectives);
   cpu_collectives_ = cpu_collectives_from(options.cpu_collectives);
   const int64_t shm_bytes = detail::cpu::shm_bytes_setting();
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  int provided = 0;
-  if (initialized) {
-    MPI_Query_thread(&provided);
-  } else {
-    // Each rank runs its compute threads (all its cores) plus a comm thread
-    // per process group, so Open MPI's default busy-polling inside blocking
-    // calls steals the cores compute needs (measured by fsdp-bench train at
-    // np 2 on 2 cores: FSDP 1.43x DDP's step time busy-polling, 0.97x
-    // yielding). An explicit setting by the user wins.
-    setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
-    detail::check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided),
-                      "MPI_Init_thread");
-    owns_mpi_ = true;
-  }
-  if (provided < MPI_THREAD_MULTIPLE) {
-    if (owns_mpi_) MPI_Finalize();
-    throw StateError(
-        "MPI provides thread level " + std::to_string(provided) +
-        " but libfsdp needs MPI_THREAD_MULTIPLE (each process group communicates on its own "
-        "thread); use an MPI built with thread support (Debian's Open MPI has it)");
-  }
+  owns_mpi_ = init_mpi(argc, argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
-  // Settings that change which messages a collective sends must agree: a
-  // rank with the desync check (communicators and an exchange per
-  // collective) or another CPU algorithm would leave the others waiting.
-  // One MPI_Allreduce(MIN) of each value and its negation finds any mismatch.
-  std::vector<int64_t> mine = {check_collectives_ ? 1 : 0,
-                               static_cast<int64_t>(cpu_collectives_.algorithm)};
-  for (const auto& field : detail::cpu::thresholds(cpu_collectives_)) mine.push_back(*field.second);
-  mine.push_back(shm_bytes);  // last: checked on its own below
-  const int kAgreed = static_cast<int>(mine.size());
-  std::vector<int64_t> both(2 * mine.size()), agreed(2 * mine.size());
-  for (int i = 0; i < kAgreed; ++i) {
-    both[static_cast<size_t>(i)] = mine[static_cast<size_t>(i)];
-    both[static_cast<size_t>(kAgreed + i)] = -mine[static_cast<size_t>(i)];
-  }
-  detail::check_mpi(MPI_Allreduce(both.data(), agreed.data(), 2 * kAgreed, MPI_INT64_T, MPI_MIN,
-                                  MPI_COMM_WORLD),
-                    "MPI_Allreduce");
-  auto differs = [&](int i) {
-    return agreed[static_cast<size_t>(i)] != -agreed[static_cast<size_t>(kAgreed + i)];
-  };
-  bool any = false;
-  for (int i = 0; i < kAgreed; ++i) any = any || differs(i);
-  if (any) {
-    if (owns_mpi_) MPI_Finalize();
-    if (differs(0)) {
-      throw ArgumentError("FSDP_DEBUG",
-                          std::string("FSDP_DEBUG / RuntimeOptions::check_collectives differ "
-                                      "across ranks (this rank: ") +
-                              (check_collectives_ ? "detail" : "off") +
-                              "); set it the same on every rank");
-    }
-    if (differs(kAgreed - 1)) {
-      throw ArgumentError("FSDP_SHM_BYTES",
-                          "FSDP_SHM_BYTES differs across ranks (this rank: " +
-                              (shm_bytes < 0 ? std::string("unset") : std::to_string(shm_bytes)) +
-                              "); set it the same on every rank");
-    }
-    std::string fields;
-    const auto named = detail::cpu::thresholds(cpu_collectives_);
-    for (int i = 2; i < kAgreed - 1; ++i) {
-      if (!differs(i)) continue;
-      const auto& [name, value] = named[static_cast<size_t>(i - 2)];
-      fields += std::string(", ") + name + " " + std::to_string(*value) + " B";
-    }
-    throw ArgumentError("FSDP_MPI_ALGO",
-                        "FSDP_MPI_ALGO / FSDP_MPI_ALGO_MIN_BYTES / "
-                        "RuntimeOptions::cpu_collectives differ across ranks (this rank: " +
-                            to_string(cpu_collectives_.algorithm) + fields +
-                            "); set them the same on every rank");
-  }
+  agree_on_collective_settings(check_collectives_, cpu_collectives_, shm_bytes, owns_mpi_);
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
                                         MPI_INFO_NULL, &node),
@@ -237,12 +278,6 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   MPI_Comm_size(node, &local_size_);
   try {
     compute_topology(node);
-  } catch (...) {
-    MPI_Comm_free(&node);
-    if (owns_mpi_) MPI_Finalize();
-    throw;
-  }
-  try {
     bind_device(options, node);
   } catch (...) {
     MPI_Comm_free(&node);
@@ -251,11 +286,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   }
   MPI_Comm_free(&node);
 
-  num_threads_ = options.num_threads > 0 ? options.num_threads : threads_from_env();
-  if (num_threads_ == 0) num_threads_ = std::max(1, cores_available() / local_size_);
-  // When mpirun binds each rank to its own cores the affinity mask is already
-  // the per-rank share; never exceed it.
-  if (options.num_threads == 0) num_threads_ = std::min(num_threads_, cores_available());
+  num_threads_ = threads_per_rank(options, local_size_);
   compat::set_intra_op_threads(num_threads_);
   set_blas_threads(num_threads_);
 
@@ -272,19 +303,7 @@ Runtime::Runtime(int* argc, char*** argv, RuntimeOptions options) {
   for (int r = 0; r < world_size_; ++r) everyone[static_cast<size_t>(r)] = r;
   detail::group_for(everyone);  // the world group, so world_group() never communicates
 
-  if (options.log_banner && world_rank_ == 0) {
-    std::cerr << "[libfsdp] LibTorch " << compat::torch_version() << ", " << world_size_
-              << " rank(s), " << local_size_ << " per node, " << num_threads_
-              << " thread(s) per rank, device " << device_.str() << ", watchdog "
-              << (timeout_seconds_ > 0 ? seconds_text(timeout_seconds_) : "off")
-              << (check_collectives_ ? ", collective checks on (FSDP_DEBUG=detail)" : "")
-              << ", CPU collectives " << to_string(cpu_collectives_)
-              << ", BLAS " << blas_library_
-              << (blas_library_.find("openblas") == std::string::npos && !at::hasMKL()
-                      ? " (not OpenBLAS or MKL: GEMMs may be ~14x slower; install libopenblas0-pthread)"
-                      : "")
-              << std::endl;
-  }
+  if (options.log_banner && world_rank_ == 0) print_banner(*this, cpu_collectives_, check_collectives_);
   trace::detail::start(world_rank_, world_size_);  // FSDP_TRACE
   detail::start_watchdog(world_rank_, world_size_);
 }
