@@ -6,9 +6,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 export BUILD_DIR="$build"
 
+start=$SECONDS
 "$root/ci/install-deps.sh"
 # GPU variants are registered (not run) so their listing is checked below.
 "$root/ci/build.sh" -DFSDP_REGISTER_GPU_TESTS=ON
+echo "ci/test.sh: dependencies and build: $((SECONDS - start)) s"
 
 cd "$build"
 # Every gpu label a GPU node runs must list entries; gpu_registration_listing
@@ -23,7 +25,9 @@ for label in gpu1 gpu2 gpu4; do
 done
 
 status=0
+tests=$SECONDS
 ctest -L cpu --output-on-failure --no-tests=error "$@" || status=$?
+echo "ci/test.sh: ctest -L cpu: $((SECONDS - tests)) s"
 # precision_matrix_report (in -L cpu) is the precision gate: it fails the run when a
 # matrix case did not run, lacks its loss or grad-norm metric, or fails.
 if [ -f "$build/reports/precision-matrix.md" ]; then

@@ -81,7 +81,8 @@ fsdp_add_slurm_test(NAME slurm_cluster_down FIXTURE_CLEANUP TIMEOUT 60
 
 # What users submit: ci/slurm/gpu4.sbatch --cpu configures a build of its own
 # with srun as the CTest launcher, builds the suites it runs and runs
-# ctest -L cpu -L 'L0|example' inside a 2-node allocation. Its build tree is
+# ctest -L cpu -L 'L0|example' -R <a sample covering each kind> inside a
+# 2-node allocation. Its build tree is
 # a sibling of this one, at the same depth below the source: with ccache's
 # base_dir (.ci/run sets CCACHE_BASEDIR) the compile commands are then the
 # same and ccache serves this build's objects.

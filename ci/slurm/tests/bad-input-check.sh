@@ -17,8 +17,7 @@ train="${1:?usage: $0 <fsdp-train> <work dir>}"
 work="${2:?usage: $0 <fsdp-train> <work dir>}"
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 common=(--steps 3 --seq 64 --batch 4)
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 
 no_step() {  # <what> <log>
   if grep -qE '^([0-9]+: )?step +1/' "$2"; then

@@ -21,8 +21,7 @@ work="${2:?usage: $0 <fsdp-train> <work dir>}"
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 limit="${LIMIT:-90}"
 common=(--seq 64 --batch 4 --seed 7)
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 survivor="${slurm_nodes[0]}" victim="${slurm_nodes[1]}"
 restore() {
   "$cluster" start-node 2 --state "$slurm_state" >"$work/start-node.log" 2>&1 ||

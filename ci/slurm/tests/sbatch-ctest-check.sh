@@ -10,33 +10,37 @@
 #   ci/slurm/tests/sbatch-ctest-check.sh <source dir> <build dir> <work dir>
 #
 # Env: FSDP_SLURM_STATE (ci/slurm/tests/slurm-lib.sh); SBATCH_CTEST_LABELS
-# (default L0|example: the communication, fault and runtime suites, the
-# examples and fsdp-train's short runs), SBATCH_CTEST_TARGETS (the build
-# targets they need), MIN_TESTS (default 40), FSDP_CMAKE_ARGS (default
-# ci/build.sh's -DFSDP_WARNINGS_AS_ERRORS=ON: the same compile flags as the
-# main build let ccache serve the objects).
+# (default L0|example) and SBATCH_CTEST_REGEX (default: a sample of them
+# that covers each kind once -- collectives at 2 and 4 ranks, communication
+# errors, the runtime and mesh, the test harness, the fault entries whose
+# rank dies, stalls, stops or disagrees, an example and fsdp-train's short
+# run; the Debian leg runs all of L0 under mpiexec, so this check is about
+# the launch path, not the suites), SBATCH_CTEST_TARGETS (the build targets
+# they need), MIN_TESTS (default 16), FSDP_CMAKE_ARGS (default ci/build.sh's
+# -DFSDP_WARNINGS_AS_ERRORS=ON: the same compile flags as the main build let
+# ccache serve the objects).
 set -euo pipefail
 src="${1:?usage: $0 <source dir> <build dir> <work dir>}"
 build="${2:?usage: $0 <source dir> <build dir> <work dir>}"
 work="${3:?usage: $0 <source dir> <build dir> <work dir>}"
 labels="${SBATCH_CTEST_LABELS:-L0|example}"
-targets="${SBATCH_CTEST_TARGETS:-fsdp_suites_L0 train_mlp train_tp train_pp train_moe fsdp-train}"
-min_tests="${MIN_TESTS:-40}"
+regex="${SBATCH_CTEST_REGEX-^(test_collectives_np[24]|test_comm_errors_np2|test_runtime_np[24]|test_device_mesh_np4|test_harness_np2|fault_(kill|segv|stall|sigstop|mismatch|oom_one_rank)_np2|fault_oom_one_rank_np4|example_train_mlp_np2|fsdp_train_np2)\$}"
+targets="${SBATCH_CTEST_TARGETS:-test_collectives test_comm_errors test_runtime test_device_mesh test_harness fault_probe memory_probe train_mlp fsdp-train}"
+min_tests="${MIN_TESTS:-16}"
 # ci/build.sh's flags: the same compile commands, so ccache has the objects.
 export FSDP_CMAKE_ARGS="${FSDP_CMAKE_ARGS:--DFSDP_WARNINGS_AS_ERRORS=ON}"
 train=/bin/true  # slurm-lib.sh checks a program; this check runs none of its own
 slurm_shares=("$build")  # the batch script's build tree: the nodes must see it
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 log="$work/job.log"
 
-echo "== sbatch -N 2 --ntasks-per-node 2 --gpus-per-node 0 ci/slurm/gpu4.sbatch --cpu -L '$labels' (build $build)"
+echo "== sbatch -N 2 --ntasks-per-node 2 --gpus-per-node 0 ci/slurm/gpu4.sbatch --cpu -L '$labels' -R '$regex' (build $build)"
 t0=$(date +%s%N)
 set +e
 (cd "$src" && FSDP_SRC="$src" BUILD_DIR="$build" FSDP_BUILD_TARGETS="$targets" \
    timeout -k 10 1500 sbatch --wait --parsable -N 2 --ntasks-per-node 2 --cpus-per-task 1 \
-     --gpus-per-node 0 --time 30 -o "$log" ci/slurm/gpu4.sbatch --cpu -L "$labels") >"$work/sbatch.out" 2>&1
+     --gpus-per-node 0 --time 30 -o "$log" ci/slurm/gpu4.sbatch --cpu -L "$labels" -R "$regex") >"$work/sbatch.out" 2>&1
 rc=$?
 set -e
 job=$(head -n 1 "$work/sbatch.out" | tr -dc '0-9')
@@ -77,4 +81,4 @@ else
   echo "FAIL: no $last"; fail=1
 fi
 [ "$rc" -eq 0 ] || { echo "FAIL: sbatch --wait exit status $rc"; fail=1; }
-finish "slurm-sbatch-ctest-check (gpu4.sbatch --cpu: ctest -L cpu -L '$labels' under srun)"
+finish "slurm-sbatch-ctest-check (gpu4.sbatch --cpu: ctest -L cpu -L '$labels' -R '$regex' under srun)"

@@ -30,8 +30,7 @@ work="${2:?usage: $0 <fsdp-train> <work dir>}"
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 extra="${EXTRA_STEPS:-4}"
 common=(--seq 64 --batch 4 --seed 7)
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 b="$work/stopped" a="$work/straight"
 
 echo "== B: sbatch -N 2 -n 4: srun fsdp-train --steps 200 --out $b; scancel once 3 steps are logged"

@@ -1,6 +1,7 @@
 # Shared by ci/slurm/tests/*-check.sh (sourced, not run): the simulated
 # Slurm cluster (ci/slurm/cluster) and the helpers of
-# tools/fsdp-train/tests/ckpt-lib.sh (expect, newest, same_run, finish).
+# tools/fsdp-train/tests/check-lib.sh (fresh_dir, secs_since, expect, newest,
+# same_run, compare_resumed_losses, finish).
 #
 # The caller sets `train` (the fsdp-train binary), `work` (a work
 # directory) and optionally `slurm_shares` (an array of more directories the
@@ -18,7 +19,7 @@
 slurm_here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cluster="${FSDP_SLURM_CLUSTER:-$slurm_here/../cluster}"
 slurm_state="${FSDP_SLURM_STATE:-/var/lib/fsdp-slurm-sim}"
-source "$slurm_here/../../../tools/fsdp-train/tests/ckpt-lib.sh"
+source "$slurm_here/../../../tools/fsdp-train/tests/check-lib.sh"
 
 for c in srun sbatch scancel squeue scontrol sinfo; do
   command -v "$c" >/dev/null || { echo "FAIL: Slurm is missing: '$c' not found (Debian: apt-get install slurm-wlm munge)"; exit 1; }
@@ -75,12 +76,6 @@ done
 source "$slurm_state/env"
 export FSDP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 read -r -a slurm_nodes <<<"$FSDP_SLURM_NODES"
-
-# ms_since <t0 from date +%s%N>: "S.T" seconds
-secs_since() {
-  local ms=$((($(date +%s%N) - $1) / 1000000))
-  echo "$((ms / 1000)).$((ms % 1000 / 100))"
-}
 
 # srun_job <log> <limit s> [srun options] -- <program> [args]: srun, at most
 # <limit> seconds (timeout ends srun; srun ends the step), output to <log>

@@ -13,8 +13,7 @@ set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir>}"
 work="${2:?usage: $0 <fsdp-train> <work dir>}"
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 
 for mesh in 4 2x2; do
   echo "== srun -N 2 -n 4 --mpi=pmix fsdp-train --mesh $mesh --verify --steps 6 --seq 64 --batch 4"

@@ -33,8 +33,7 @@ src="$(cd "$slurm_here/../../.." && pwd)"
 steps="${STEPS:-600}"
 min_step_ms="${MIN_STEP_MS:-100}"
 common=(--layers 1 --seq 32 --batch 4 --seed 5 --log-every 100)
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 b="$work/job" a="$work/straight"
 
 echo "== B: sbatch -N 2 --ntasks-per-node 2 --time 1 --signal B:USR1@10 ci/slurm/train.sbatch --steps $steps (${min_step_ms} ms/step)"

@@ -44,7 +44,7 @@
 #     state's float32 refuses it; verify finds the stored type differs)
 # The damage goes into rank 1's file where a rank file is damaged: rank 0
 # prints the agreed verdict.
-# Env: as tools/fsdp-train/tests/ckpt-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
+# Env: as tools/fsdp-train/tests/check-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
 set -euo pipefail
 usage="usage: $0 <fsdp-train> <train-ckpt-tamper> <fsdp-checkpoint> <work dir> setup|<case>"
 train="${1:?$usage}"
@@ -53,8 +53,8 @@ inspector="${3:?$usage}"
 work="${4:?$usage}"
 case_name="${5:?$usage}"
 common=(--seq 64 --batch 4 --seed 7 --steps 4 --checkpoint-every 2)
-# shellcheck source=tools/fsdp-train/tests/ckpt-lib.sh
-source "$(dirname "$0")/ckpt-lib.sh"
+# shellcheck source=tools/fsdp-train/tests/check-lib.sh
+source "$(dirname "$0")/check-lib.sh"
 unset FSDP_DCP_CRASH_AT
 pristine="$work/pristine"
 param=embed.weight  # a parameter every rank holds a non-empty shard of

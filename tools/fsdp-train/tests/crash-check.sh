@@ -19,7 +19,7 @@
 # `reference` writes the uninterrupted run into <work dir>/straight (the
 # CTest fixture fsdp_train_crash_reference); a phase's run makes it if missing.
 # Phases: written index renamed pruned.
-# Env: as tools/fsdp-train/tests/ckpt-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
+# Env: as tools/fsdp-train/tests/check-lib.sh says (MPIEXEC, MPIEXEC_FLAGS, NP).
 # CTest runs it as fsdp_train_crash_<phase>_np2 (labels cpu;train;np2;faults).
 set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> reference|<phase> [flags]}"
@@ -27,8 +27,8 @@ work="${2:?usage: $0 <fsdp-train> <work dir> reference|<phase> [flags]}"
 phase="${3:?usage: $0 <fsdp-train> <work dir> reference|<phase> [flags]}"
 shift 3
 common=(--seq 64 --batch 4 --seed 7 --steps 5 --checkpoint-every 1 "$@")
-# shellcheck source=tools/fsdp-train/tests/ckpt-lib.sh
-source "$(dirname "$0")/ckpt-lib.sh"
+# shellcheck source=tools/fsdp-train/tests/check-lib.sh
+source "$(dirname "$0")/check-lib.sh"
 unset FSDP_DCP_CRASH_AT
 mkdir -p "$work"
 straight="$work/straight"

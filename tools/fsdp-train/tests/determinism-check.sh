@@ -14,9 +14,9 @@ train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
 # mpiexec, mpiexec_flags, np.
-source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 runs="${RUNS:-3}"
-rm -rf "$work" && mkdir -p "$work"
+fresh_dir "$work"
 
 for i in $(seq 1 "$runs"); do
   echo "== run $i of $runs: np $np $*"

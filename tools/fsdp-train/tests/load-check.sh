@@ -17,10 +17,9 @@ set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <fsdp-checkpoint> <work dir>}"
 tool="${2:?usage: $0 <fsdp-train> <fsdp-checkpoint> <work dir>}"
 work="${3:?usage: $0 <fsdp-train> <fsdp-checkpoint> <work dir>}"
-source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 common=(--seq 64 --batch 4 --seed 3)
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 
 echo "== A: 4 steps, checkpoint"
 run "$work/a.log" --steps 4 --out "$work/a"

@@ -29,9 +29,8 @@ limit="${LIMIT:-30}"
 tol="${TOL:-1e-4}"
 total=12
 common=(--seq 64 --batch 8 --seed 7)
-fail=0
-rm -rf "$work"
-mkdir -p "$work"
+source "$here/check-lib.sh"
+fresh_dir "$work"
 
 first_ckpt="$work/S/checkpoint/$(printf 'step-%012d' 3)"
 echo "== S: HSDP 2x2 on 2 nodes, node 1 killed once $first_ckpt is committed"
@@ -99,28 +98,8 @@ echo "ok: $resume_line"
 echo "== T: 1 node x 2 ranks, $total steps straight"
 job "$work/T.log" --steps "$total" --out "$work/T"
 
-verdict=$(awk -F, -v n="$from" -v total="$total" -v tol="$tol" '
-  FNR == 1 { next }
-  NR == FNR { r[$1] = $2; next }
-  $1 > n && $1 <= total {
-    if (!($1 in r)) { missing = missing " " $1; next }
-    d = r[$1] - $2; if (d < 0) d = -d
-    rel = d / ($2 < 0 ? -$2 : $2)
-    if (d > maxd) maxd = d
-    if (rel > maxr) maxr = rel
-    count++
-  }
-  END {
-    ok = (missing == "" && count == total - n && maxr <= tol)
-    printf "%s max |loss diff| %.3g, max relative %.3g over %d resumed steps (tolerance %g relative)%s\n", ok ? "ok" : "FAIL", maxd, maxr, count, tol, missing == "" ? "" : ", missing steps" missing
-  }' "$work/R/loss.csv" "$work/T/loss.csv")
-echo "${verdict%% *}: resumed (R) vs straight (T): ${verdict#* }"
-[[ "${verdict%% *}" == ok ]] || fail=1
+compare_resumed_losses "resumed (R) vs straight (T)" "$work/R/loss.csv" "$work/T/loss.csv" "$from" "$total" "$tol"
 echo "   step  resumed (R)         straight (T)"
 join -t, "$work/R/loss.csv" "$work/T/loss.csv" |
   awk -F, -v n="$from" '$1 ~ /^[0-9]+$/ && $1 > n { printf "   %4d  %-18s  %s\n", $1, $2, $5 }'
-if [[ "$fail" -ne 0 ]]; then
-  echo "node-loss-check: FAILED"
-  exit 1
-fi
-echo "node-loss-check: PASSED"
+finish node-loss-check

@@ -8,7 +8,7 @@
 set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir>}"
 work="${2:?usage: $0 <fsdp-train> <work dir>}"
-source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 common=(--seq 64 --batch 4 --steps 2)
 rm -rf "$work"
 mkdir -p "$work/out"

@@ -36,15 +36,12 @@ src_np="${3:?$usage}"
 read -r -a src_flags <<<"${4-}"
 tgt_np="${5:?$usage}"
 read -r -a tgt_flags <<<"${6-}"
-mpiexec="${MPIEXEC:-mpiexec}"
-read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 n="${STEPS:-3}"
 tol="${TOL:-1e-4}"
 common=(--seq 64 --batch 8 --seed 7)
-fail=0
 
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 
 # job <np> <log> [flags...]: one fsdp-train job, at most 120 s.
 job() {
@@ -76,29 +73,10 @@ fi
 echo "== T: target layout, $((2 * n)) steps straight"
 job "$tgt_np" "$work/T.log" "${tgt_flags[@]}" --steps $((2 * n)) --out "$work/T"
 
-# compare <name> <reference loss.csv>: the resumed steps n+1..2n of R.
-compare() {
-  local name="$1" ref="$2" verdict
-  verdict=$(awk -F, -v n="$n" -v tol="$tol" '
-    FNR == 1 { next }
-    NR == FNR { r[$1] = $2; next }
-    $1 > n {
-      if (!($1 in r)) { missing = missing " " $1; next }
-      d = r[$1] - $2; if (d < 0) d = -d
-      rel = d / ($2 < 0 ? -$2 : $2)
-      if (d > maxd) maxd = d
-      if (rel > maxr) maxr = rel
-      count++
-    }
-    END {
-      ok = (missing == "" && count == n && maxr <= tol)
-      printf "%s max |loss diff| %.3g, max relative %.3g over %d resumed steps (tolerance %g relative)%s\n", ok ? "ok" : "FAIL", maxd, maxr, count, tol, missing == "" ? "" : ", missing steps" missing
-    }' "$work/R/loss.csv" "$ref")
-  echo "${verdict%% *}: resumed vs $name: ${verdict#* }"
-  [ "${verdict%% *}" = ok ] || fail=1
-}
-compare "the target layout straight (T)" "$work/T/loss.csv"
-compare "the source layout straight (S)" "$work/S/loss.csv"
+compare_resumed_losses "resumed vs the target layout straight (T)" "$work/R/loss.csv" "$work/T/loss.csv" \
+  "$n" $((2 * n)) "$tol"
+compare_resumed_losses "resumed vs the source layout straight (S)" "$work/R/loss.csv" "$work/S/loss.csv" \
+  "$n" $((2 * n)) "$tol"
 echo "   step  resumed (R)         target (T)          source (S)"
 join -t, "$work/R/loss.csv" "$work/T/loss.csv" | join -t, - "$work/S/loss.csv" |
   awk -F, -v n="$n" '$1 ~ /^[0-9]+$/ && $1 > n { printf "   %4d  %-18s  %-18s  %s\n", $1, $2, $5, $8 }'

@@ -16,13 +16,12 @@ train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
 # mpiexec, mpiexec_flags, np, fail, same_run, finish (and the h5diff check).
-source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 steps="${STEPS:-6}"
 half=$((steps / 2))
 common=(--seq 64 --batch 4 --seed 7 "$@")
 
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 a="$work/straight" b="$work/resumed"
 
 # Not the library's run(): these jobs may take longer than its 60 s limit

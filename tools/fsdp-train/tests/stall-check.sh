@@ -19,11 +19,9 @@ set -uo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
-mpiexec="${MPIEXEC:-mpiexec}"
-read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
-np="${NP:-2}"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 export FSDP_TIMEOUT="${FSDP_TIMEOUT:-5}"
-rm -rf "$work" && mkdir -p "$work"
+fresh_dir "$work"
 log="$work/job.log"
 
 "$mpiexec" -n "$np" "${mpiexec_flags[@]}" "$train" --steps 100000 --seq 64 --batch 4 --log-every 1 \

@@ -19,13 +19,12 @@ set -euo pipefail
 train="${1:?usage: $0 <fsdp-train> <work dir> [flags]}"
 work="${2:?usage: $0 <fsdp-train> <work dir> [flags]}"
 shift 2
-source "$(dirname "${BASH_SOURCE[0]}")/ckpt-lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/check-lib.sh"
 steps="${STEPS:-40}"
 sig="${SIG:-TERM}"
 common=(--seq 64 --batch 4 --seed 7 "$@")
 
-rm -rf "$work"
-mkdir -p "$work"
+fresh_dir "$work"
 a="$work/straight" b="$work/stopped"
 
 echo "== A: $steps steps straight"

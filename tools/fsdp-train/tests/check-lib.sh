@@ -1,7 +1,8 @@
-# Shared by tools/fsdp-train/tests/crash-check.sh, tools/fsdp-train/tests/ckpt-verify-check.sh,
-# tools/fsdp-train/tests/resume-check.sh and tools/fsdp-train/tests/determinism-check.sh (sourced, not run). Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS, NP
-# (default 2); the caller sets `train` (the fsdp-train binary) and `common`
-# (an array of flags every run gets).
+# The set-up and checks every shell check of fsdp-train shares (sourced, not
+# run): tools/fsdp-train/tests/*-check.sh and, through slurm-lib.sh,
+# ci/slurm/tests/*-check.sh. Env: MPIEXEC (default mpiexec), MPIEXEC_FLAGS,
+# NP (default 2); the caller sets `train` (the fsdp-train binary) and
+# `common` (an array of flags every run gets).
 
 mpiexec="${MPIEXEC:-mpiexec}"
 read -r -a mpiexec_flags <<<"${MPIEXEC_FLAGS:-}"
@@ -10,6 +11,18 @@ fail=0
 
 command -v h5diff >/dev/null || { echo "FAIL: h5diff not found (Debian package hdf5-tools)"; exit 1; }
 command -v python3 >/dev/null || { echo "FAIL: python3 not found"; exit 1; }
+
+# secs_since <t0 from date +%s%N>: "S.T" seconds
+secs_since() {
+  local ms=$((($(date +%s%N) - $1) / 1000000))
+  echo "$((ms / 1000)).$((ms % 1000 / 100))"
+}
+
+# fresh_dir <dir>: <dir> empty (removed with whatever a former run left).
+fresh_dir() {
+  rm -rf "$1"
+  mkdir -p "$1"
+}
 
 # run <log> [flags...]: one fsdp-train job, at most 60 s (a hang is a
 # failure, not a stuck CI job); output to <log> and to ours; sets $rc and
@@ -25,7 +38,7 @@ run() {
   rc=$?
   set -e
   ms=$((($(date +%s%N) - t0) / 1000000))
-  secs="$((ms / 1000)).$((ms % 1000 / 100))"
+  secs=$(secs_since "$t0")
   sed 's/^/    | /' "$log"
   echo "    (exit status $rc, ${secs}s)"
   if [ "$ms" -ge 60000 ]; then
@@ -111,6 +124,32 @@ same_run() {
       fail=1
     fi
   done
+}
+
+# compare_resumed_losses <what> <resumed loss.csv> <reference loss.csv> <from> <to> <tol>:
+# steps from+1..to of the resumed run against the reference run, each within
+# <tol> relative (a resumed run in another layout reorders fp32 reductions:
+# reshard-check.sh says why 1e-4); prints the observed maxima, sets fail=1 on
+# a step over <tol> or missing.
+compare_resumed_losses() {
+  local what="$1" resumed="$2" ref="$3" from="$4" to="$5" tol="$6" verdict
+  verdict=$(awk -F, -v n="$from" -v total="$to" -v tol="$tol" '
+    FNR == 1 { next }
+    NR == FNR { r[$1] = $2; next }
+    $1 > n && $1 <= total {
+      if (!($1 in r)) { missing = missing " " $1; next }
+      d = r[$1] - $2; if (d < 0) d = -d
+      rel = d / ($2 < 0 ? -$2 : $2)
+      if (d > maxd) maxd = d
+      if (rel > maxr) maxr = rel
+      count++
+    }
+    END {
+      ok = (missing == "" && count == total - n && maxr <= tol)
+      printf "%s max |loss diff| %.3g, max relative %.3g over %d resumed steps (tolerance %g relative)%s\n", ok ? "ok" : "FAIL", maxd, maxr, count, tol, missing == "" ? "" : ", missing steps" missing
+    }' "$resumed" "$ref")
+  echo "${verdict%% *}: $what: ${verdict#* }"
+  [ "${verdict%% *}" = ok ] || fail=1
 }
 
 # finish <name>: ends the script, status 1 if anything failed.
