@@ -4,7 +4,7 @@
 // group's members, whole-dataset reads and writes. HDF5's C++ API only, no
 // LibTorch and no libfsdp (libfsdp's own checkpoint I/O is
 // libfsdp/src/checkpoint/h5io.cpp). Errors are HDF5's H5::Exception unless
-// said otherwise.
+// said otherwise. Test-only helpers: fsdp_h5/testing.h.
 #pragma once
 
 #include <H5Cpp.h>
