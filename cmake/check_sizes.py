@@ -7,7 +7,7 @@
 Limits (docs/testing.md#sizes):
   - a file of libfsdp/ (.h, .cpp): at most 600 lines;
   - a function in libfsdp/: at most 100 lines;
-  - a function in tools/, mpi_tests/, reference/, models/, examples/: at most
+  - a function in tools/, mpi_tests/, reference/, models/, examples/, h5/: at most
     150 lines.
 
 A function's length is its lines from the one holding its name to the one
@@ -36,7 +36,7 @@ FILE_LIMIT = 600
 LIB_FUNCTION_LIMIT = 100
 OTHER_FUNCTION_LIMIT = 150
 LIB_DIRS = ("libfsdp",)
-OTHER_DIRS = ("tools", "mpi_tests", "reference", "models", "examples")
+OTHER_DIRS = ("tools", "mpi_tests", "reference", "models", "examples", "h5")
 EXTENSIONS = (".h", ".cpp")
 
 

@@ -12,7 +12,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
-#include <hdf5.h>
+#include <fsdp_h5/testing.h>
 
 #include <fstream>
 #include <limits>
@@ -59,31 +59,6 @@ void expect_checkpoint_error(Fn fn, Kind kind, const std::vector<std::string>& w
     BOOST_TEST(fsdp::dcp::to_string(e.kind()) == fsdp::dcp::to_string(kind), msg);
     for (const auto& w : words) BOOST_TEST(msg.find(w) != std::string::npos, "'" << w << "' not in: " << msg);
   }
-}
-
-// Flips one byte in the middle of the first storage block of `dataset`.
-void flip_data_byte(const std::string& file, const std::string& dataset) {
-  haddr_t addr = 0;
-  hsize_t size = 0;
-  {
-    hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-    hid_t d = H5Dopen2(f, dataset.c_str(), H5P_DEFAULT);
-    hid_t space = H5Dget_space(d);
-    unsigned mask = 0;
-    std::vector<hsize_t> offset(static_cast<size_t>(H5Sget_simple_extent_ndims(space)));
-    H5Dget_chunk_info(d, space, 0, offset.data(), &mask, &addr, &size);
-    H5Sclose(space);
-    H5Dclose(d);
-    H5Fclose(f);
-  }
-  BOOST_REQUIRE(size > 0);
-  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
-  io.seekg(static_cast<std::streamoff>(addr + size / 2));
-  char c = 0;
-  io.read(&c, 1);
-  c = static_cast<char>(c ^ 0x5a);
-  io.seekp(static_cast<std::streamoff>(addr + size / 2));
-  io.write(&c, 1);
 }
 
 // The rank file and dataset holding `tensor`'s first piece.
@@ -396,8 +371,9 @@ BOOST_AUTO_TEST_CASE(test_damage_falls_back_or_fails_everywhere) {  // [ours]
   const auto piece = first_piece(newest, "model/fc1.weight");
   const std::string file = piece.first.substr(piece.first.rfind('/') + 1);
   const std::vector<Damage> damages = {
-      {"a flipped byte in a data block", [&] { flip_data_byte(piece.first, piece.second); },
-       Kind::Corrupt, {"model/fc1.weight", file, "checksum"}},
+      {"a flipped byte in a data block",
+       [&] { fsdp_h5::testing::flip_chunk_byte(piece.first, piece.second); }, Kind::Corrupt,
+       {"model/fc1.weight", file, "checksum"}},
       {"a truncated rank file",
        [&] { std::filesystem::resize_file(piece.first, std::filesystem::file_size(piece.first) / 2); },
        Kind::Corrupt, {file, "truncated"}},

@@ -1,6 +1,6 @@
 #include "reference/store.h"
 
-#include "reference/h5_util.h"
+#include "fsdp_h5/util.h"
 
 #include <ATen/ATen.h>
 #include <H5Cpp.h>
@@ -23,32 +23,32 @@ const char* kRegenerate =
     "regenerate with `cmake --build build --target regenerate-references` "
     "(or `build/reference/fsdp-reference --case %s`)";
 
-using h5util::EmptyString;
+using fsdp_h5::EmptyString;
 
 // The store's strings: "" is stored as " ", and a missing one reads as "".
 void write_string_attr(H5::H5Object& obj, const std::string& name, const std::string& value) {
-  h5util::write_string_attr(obj, name, value, EmptyString::Space);
+  fsdp_h5::write_string_attr(obj, name, value, EmptyString::Space);
 }
 
 std::string read_string_attr(const H5::H5Object& obj, const std::string& name) {
-  return h5util::find_string_attr(obj, name, EmptyString::Space).value_or("");
+  return fsdp_h5::find_string_attr(obj, name, EmptyString::Space).value_or("");
 }
 
 void write_doubles(H5::Group& g, const std::string& name, const std::vector<double>& v,
                    std::vector<hsize_t> dims = {}) {
   if (dims.empty()) dims = {v.size()};
-  h5util::write_dataset(g, name, H5::PredType::IEEE_F64LE, dims, v.data(),
+  fsdp_h5::write_dataset(g, name, H5::PredType::IEEE_F64LE, dims, v.data(),
                         H5::PredType::NATIVE_DOUBLE);
 }
 
 std::vector<double> read_doubles(const H5::Group& g, const std::string& name,
                                  std::vector<hsize_t>* dims_out = nullptr) {
-  return h5util::read_all<double>(g.openDataSet(name), H5::PredType::NATIVE_DOUBLE, dims_out);
+  return fsdp_h5::read_all<double>(g.openDataSet(name), H5::PredType::NATIVE_DOUBLE, dims_out);
 }
 
 void write_tensor(H5::Group& g, const std::string& name, const at::Tensor& t) {
   at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
-  h5util::write_dataset(g, name, H5::PredType::IEEE_F32LE, {c.sizes().begin(), c.sizes().end()},
+  fsdp_h5::write_dataset(g, name, H5::PredType::IEEE_F32LE, {c.sizes().begin(), c.sizes().end()},
                         c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
 }
 
@@ -56,7 +56,7 @@ void write_tensor(H5::Group& g, const std::string& name, const at::Tensor& t) {
 at::Tensor read_as(const H5::Group& g, const std::string& name, at::ScalarType dtype,
                    const H5::PredType& mem_type) {
   H5::DataSet ds = g.openDataSet(name);
-  at::Tensor t = at::empty(h5util::dims_of(ds), dtype);
+  at::Tensor t = at::empty(fsdp_h5::dims_of(ds), dtype);
   ds.read(t.data_ptr(), mem_type);
   return t;
 }
@@ -68,7 +68,7 @@ at::Tensor read_tensor(const H5::Group& g, const std::string& name) {
 // Routing ids (int64).
 void write_ids(H5::Group& g, const std::string& name, const at::Tensor& t) {
   at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
-  h5util::write_dataset(g, name, H5::PredType::STD_I64LE, {c.sizes().begin(), c.sizes().end()},
+  fsdp_h5::write_dataset(g, name, H5::PredType::STD_I64LE, {c.sizes().begin(), c.sizes().end()},
                         c.data_ptr<int64_t>(), H5::PredType::NATIVE_INT64);
 }
 
@@ -76,7 +76,7 @@ at::Tensor read_ids(const H5::Group& g, const std::string& name) {
   return read_as(g, name, at::kLong, H5::PredType::NATIVE_INT64);
 }
 
-std::vector<std::string> members(const H5::Group& g) { return h5util::child_names(g); }
+std::vector<std::string> members(const H5::Group& g) { return fsdp_h5::child_names(g); }
 
 std::string regenerate_hint(const std::string& case_name) {
   char buf[512];

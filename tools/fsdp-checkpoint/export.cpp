@@ -2,7 +2,7 @@
 // one block of rows) at a time.
 #include "common.h"
 
-#include <reference/h5_util.h>
+#include <fsdp_h5/util.h>
 
 #include <H5Cpp.h>
 #include <fmt/format.h>
@@ -105,8 +105,8 @@ void export_h5(const fsdp::dcp::Reader& reader, const std::vector<const Info*>& 
                const std::string& path) {
   H5::Exception::dontPrint();
   H5::H5File file(path, H5F_ACC_TRUNC);
-  h5util::write_int_attr(file, "step", reader.step());
-  h5util::write_string_attr(file, "source", source_of(reader), h5util::EmptyString::Space);
+  fsdp_h5::write_int_attr(file, "step", reader.step());
+  fsdp_h5::write_string_attr(file, "source", source_of(reader), fsdp_h5::EmptyString::Space);
   for (const Info* t : tensors) {
     std::string leaf;
     H5::Group g = parent_group(file, t->name, leaf);
@@ -118,7 +118,7 @@ void export_h5(const fsdp::dcp::Reader& reader, const std::vector<const Info*>& 
           read_box(reader, t->name, std::vector<int64_t>(t->shape.size(), 0), t->shape)
               .to(out_dtype)
               .contiguous();
-      h5util::write_dataset(g, leaf, type, dims, v.data_ptr(), type);
+      fsdp_h5::write_dataset(g, leaf, type, dims, v.data_ptr(), type);
       continue;
     }
     H5::DataSet ds = g.createDataSet(leaf, type, H5::DataSpace(static_cast<int>(dims.size()),

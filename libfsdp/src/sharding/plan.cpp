@@ -89,14 +89,119 @@ bool same_ranks(const ProcessGroupPtr& a, const ProcessGroupPtr& b) {
   return a->world_ranks() == b->world_ranks();
 }
 
+// The mesh a DTensor parameter's layout lives on: `mesh` when the DTensor's
+// mesh `tm` is made of mesh's carried dims (tp, ep), else the two joined
+// (`mesh` then FSDP's only dims). `which` names the parameter's
+// dtensor_params entry. MeshError when `tm` holds an FSDP dim, or is neither
+// made of the carried dims nor joinable.
+DeviceMesh dtensor_spmd_mesh(const std::string& name, const std::string& which,
+                             const DeviceMesh& mesh, FsdpDims dims, const DeviceMesh& tm) {
+  const std::string& shard_name = mesh.dim_names()[static_cast<size_t>(dims.shard)];
+  bool inside = true;
+  for (int i = 0; i < tm.ndim(); ++i) {
+    const std::string& n = tm.dim_names()[i];
+    const bool fsdp_dim = n == shard_name ||
+                          (dims.replicate >= 0 &&
+                           n == mesh.dim_names()[static_cast<size_t>(dims.replicate)]);
+    if (fsdp_dim) {
+      throw MeshError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
+                                            "') is placed on FSDP's own dim '" + n + "' of " +
+                                            tm.to_string() + "; its mesh must hold only the "
+                                            "other dims (tp, ep)");
+    }
+    if (!has_dim(mesh, n) || !same_ranks(tm.get_group(i), mesh.get_group(n))) inside = false;
+  }
+  if (inside) return mesh;
+  const int carried = mesh.ndim() - 1 - (dims.replicate >= 0 ? 1 : 0);
+  if (carried > 0) {
+    throw MeshError("dtensor_params",
+                    "fully_shard: '" + which + "' ('" + name + "') lives on " +
+                        tm.to_string() + ", which is not made of the carried dims of 'mesh' " +
+                        mesh.to_string());
+  }
+  try {
+    return DeviceMesh::concatenate({mesh, tm});
+  } catch (const MeshError& e) {
+    throw MeshError("dtensor_params",
+                    "fully_shard: '" + which + "' ('" + name + "') lives on " +
+                        tm.to_string() + ", which cannot be joined with 'mesh' " +
+                        mesh.to_string() + " (" + e.what() +
+                        "); accepted: a slice of the mesh 'mesh' was sliced from");
+  }
+}
+
+// A DTensor parameter's placements, by dim name, into `by_name`.
+// ArgumentError for a Partial one: a parameter is Shard or Replicate.
+void add_dtensor_placements(const std::string& name, const std::string& which, const DTensor& dt,
+                            std::map<std::string, Placement>& by_name) {
+  const DeviceMesh& tm = dt.device_mesh();
+  for (int i = 0; i < tm.ndim(); ++i) {
+    const Placement& p = dt.placements()[static_cast<size_t>(i)];
+    if (p.is_partial()) {
+      throw ArgumentError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
+                                                "') has placement " + p.to_string() +
+                                                "; a parameter is Shard or Replicate");
+    }
+    by_name.insert_or_assign(tm.dim_names()[i], p);
+  }
+}
+
+// The carried dims (size > 1) whose gradient is a partial sum where the
+// parameter is replicated (DistributedParam::grad_placements). ArgumentError
+// when grad_placements is neither empty nor one per dim, or one is neither
+// the parameter's placement nor Partial(sum) over a Replicate().
+std::vector<ProcessGroupPtr> grad_partial_groups(const std::string& name,
+                                                 const std::string& which,
+                                                 const DistributedParam& dp) {
+  const DeviceMesh& tm = dp.param.device_mesh();
+  if (!dp.grad_placements.empty() && static_cast<int>(dp.grad_placements.size()) != tm.ndim()) {
+    throw ArgumentError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
+                                              "') has " +
+                                              std::to_string(dp.grad_placements.size()) +
+                                              " grad_placements; expected none or one per "
+                                              "dim of " + tm.to_string());
+  }
+  std::vector<ProcessGroupPtr> groups;
+  for (size_t i = 0; i < dp.grad_placements.size(); ++i) {
+    const Placement& g = dp.grad_placements[i];
+    const Placement& p = dp.param.placements()[i];
+    if (g == p) continue;
+    if (!(p.is_replicate() && g.is_partial() && g.reduce_op() == ReduceOp::SUM)) {
+      throw ArgumentError("dtensor_params",
+                          "fully_shard: '" + which + "' ('" + name + "') has gradient "
+                          "placement " + g.to_string() + " where the parameter is " +
+                          p.to_string() + " on dim '" + tm.dim_names()[i] +
+                          "'; accepted: the parameter's placement, or Partial(sum) "
+                          "where it is Replicate()");
+    }
+    if (tm.size(static_cast<int>(i)) > 1) groups.push_back(tm.get_group(static_cast<int>(i)));
+  }
+  return groups;
+}
+
+// FSDP's placement on dim `s` of `spmd` (the shard dim): Replicate() for a
+// replicated parameter, else Shard(d), or StridedShard(d, split) when carried
+// dims to its right split the same tensor dim d ("TP first, then FSDP inside
+// the TP shard").
+Placement fsdp_placement_on_shard_dim(const Placement& fsdp, const DeviceMesh& spmd, int s,
+                                      const std::map<std::string, Placement>& by_name) {
+  if (!fsdp.is_shard()) return Placement::Replicate();
+  int64_t split = 1;
+  for (int j = s + 1; j < spmd.ndim(); ++j) {
+    const Placement& inner = by_name.at(spmd.dim_names()[j]);
+    if ((inner.is_shard() || inner.is_strided_shard()) && inner.dim() == fsdp.dim()) {
+      split *= spmd.size(j);
+    }
+  }
+  return split > 1 ? Placement::StridedShard(fsdp.dim(), split) : Placement::Shard(fsdp.dim());
+}
+
 // The SPMD view of a parameter: FSDP's dims of `mesh` and the carried dims
-// (tp, ep), with the DTensor's placements where it has them. "TP first, then
-// FSDP inside the TP shard": when a carried dim to the right of the shard
-// dim splits the same tensor dim, FSDP's placement is a strided shard.
+// (tp, ep), with the DTensor's placements where it has them (`dp`, entry
+// `dt_index` of dtensor_params), FSDP's on the shard dim.
 ParamLayout make_layout(const std::string& name, const at::Tensor& param,
                                 const Placement& fsdp, const DeviceMesh& mesh, FsdpDims dims,
                                 const DistributedParam* dp, size_t dt_index) {
-  const DTensor* dt = dp ? &dp->param : nullptr;
   ParamLayout layout;
   layout.fsdp = fsdp;
   layout.shard_group = mesh.get_group(dims.shard);
@@ -105,92 +210,17 @@ ParamLayout make_layout(const std::string& name, const at::Tensor& param,
   for (int i = 0; i < mesh.ndim(); ++i)
     by_name.emplace(mesh.dim_names()[i], Placement::Replicate());
   DeviceMesh spmd = mesh;
-  if (dt) {
-    const DeviceMesh& tm = dt->device_mesh();
+  if (dp) {
     const std::string which = "dtensor_params[" + std::to_string(dt_index) + "]";
-    bool inside = true;
-    for (int i = 0; i < tm.ndim(); ++i) {
-      const std::string& n = tm.dim_names()[i];
-      const bool fsdp_dim = n == shard_name ||
-                            (dims.replicate >= 0 &&
-                             n == mesh.dim_names()[static_cast<size_t>(dims.replicate)]);
-      if (fsdp_dim) {
-        throw MeshError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
-                                              "') is placed on FSDP's own dim '" + n + "' of " +
-                                              tm.to_string() + "; its mesh must hold only the "
-                                              "other dims (tp, ep)");
-      }
-      if (!has_dim(mesh, n) || !same_ranks(tm.get_group(i), mesh.get_group(n))) inside = false;
-    }
-    if (!inside) {
-      const int carried = mesh.ndim() - 1 - (dims.replicate >= 0 ? 1 : 0);
-      if (carried > 0) {
-        throw MeshError("dtensor_params",
-                        "fully_shard: '" + which + "' ('" + name + "') lives on " +
-                            tm.to_string() + ", which is not made of the carried dims of 'mesh' " +
-                            mesh.to_string());
-      }
-      try {
-        spmd = DeviceMesh::concatenate({mesh, tm});
-      } catch (const MeshError& e) {
-        throw MeshError("dtensor_params",
-                        "fully_shard: '" + which + "' ('" + name + "') lives on " +
-                            tm.to_string() + ", which cannot be joined with 'mesh' " +
-                            mesh.to_string() + " (" + e.what() +
-                            "); accepted: a slice of the mesh 'mesh' was sliced from");
-      }
-    }
-    for (int i = 0; i < tm.ndim(); ++i) {
-      const Placement& p = dt->placements()[static_cast<size_t>(i)];
-      if (p.is_partial()) {
-        throw ArgumentError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
-                                                  "') has placement " + p.to_string() +
-                                                  "; a parameter is Shard or Replicate");
-      }
-      by_name.insert_or_assign(tm.dim_names()[i], p);
-    }
-    if (!dp->grad_placements.empty() &&
-        static_cast<int>(dp->grad_placements.size()) != tm.ndim()) {
-      throw ArgumentError("dtensor_params", "fully_shard: '" + which + "' ('" + name +
-                                                "') has " +
-                                                std::to_string(dp->grad_placements.size()) +
-                                                " grad_placements; expected none or one per "
-                                                "dim of " + tm.to_string());
-    }
-    for (size_t i = 0; i < dp->grad_placements.size(); ++i) {
-      const Placement& g = dp->grad_placements[i];
-      const Placement& p = dt->placements()[i];
-      if (g == p) continue;
-      if (!(p.is_replicate() && g.is_partial() && g.reduce_op() == ReduceOp::SUM)) {
-        throw ArgumentError("dtensor_params",
-                            "fully_shard: '" + which + "' ('" + name + "') has gradient "
-                            "placement " + g.to_string() + " where the parameter is " +
-                            p.to_string() + " on dim '" + tm.dim_names()[i] +
-                            "'; accepted: the parameter's placement, or Partial(sum) "
-                            "where it is Replicate()");
-      }
-      if (tm.size(static_cast<int>(i)) > 1) {
-        layout.grad_partial_groups.push_back(tm.get_group(static_cast<int>(i)));
-      }
-    }
-    layout.global_shape = dt->shape();
+    spmd = dtensor_spmd_mesh(name, which, mesh, dims, dp->param.device_mesh());
+    add_dtensor_placements(name, which, dp->param, by_name);
+    layout.grad_partial_groups = grad_partial_groups(name, which, *dp);
+    layout.global_shape = dp->param.shape();
   } else {
     layout.global_shape = param.sizes().vec();
   }
   const int s = spmd.dim_index(shard_name);
-  Placement on_shard = Placement::Replicate();
-  if (fsdp.is_shard()) {
-    int64_t split = 1;
-    for (int j = s + 1; j < spmd.ndim(); ++j) {
-      const Placement& inner = by_name.at(spmd.dim_names()[j]);
-      if ((inner.is_shard() || inner.is_strided_shard()) && inner.dim() == fsdp.dim()) {
-        split *= spmd.size(j);
-      }
-    }
-    on_shard =
-        split > 1 ? Placement::StridedShard(fsdp.dim(), split) : Placement::Shard(fsdp.dim());
-  }
-  by_name.insert_or_assign(shard_name, on_shard);
+  by_name.insert_or_assign(shard_name, fsdp_placement_on_shard_dim(fsdp, spmd, s, by_name));
   for (int i = 0; i < spmd.ndim(); ++i) {
     const Placement& p = by_name.at(spmd.dim_names()[i]);
     layout.spmd_placements.push_back(p);

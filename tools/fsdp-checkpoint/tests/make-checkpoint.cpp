@@ -17,7 +17,7 @@
 #include <fsdp/mesh.h>
 #include <fsdp/optim_state.h>
 
-#include <reference/h5_util.h>
+#include <fsdp_h5/util.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -97,7 +97,7 @@ void write_baseline(const std::string& dir, const std::map<std::string, at::Tens
                     const std::map<std::string, bool>& rank_local, int64_t step) {
   std::filesystem::create_directories(dir + "/raw");
   H5::H5File file(dir + "/baseline.h5", H5F_ACC_TRUNC);
-  h5util::write_int_attr(file, "step", step);
+  fsdp_h5::write_int_attr(file, "step", step);
   nlohmann::json manifest = nlohmann::json::object();
   int i = 0;
   for (const auto& [name, tensor] : tensors) {
@@ -117,7 +117,7 @@ void write_baseline(const std::string& dir, const std::map<std::string, at::Tens
       g = g.nameExists(part) ? g.openGroup(part) : g.createGroup(part);
     }
     const std::vector<hsize_t> dims(h.sizes().begin(), h.sizes().end());
-    h5util::write_dataset(g, name.substr(begin), h5_type(h.scalar_type()), dims, h.data_ptr(),
+    fsdp_h5::write_dataset(g, name.substr(begin), h5_type(h.scalar_type()), dims, h.data_ptr(),
                           h5_type(h.scalar_type()));
   }
   std::ofstream(dir + "/manifest.json") << manifest.dump(1) << "\n";

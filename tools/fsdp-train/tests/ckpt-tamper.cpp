@@ -3,10 +3,10 @@
 // in the ways a resume must refuse or fall back from:
 //
 //   train-ckpt-tamper flip  <rank-R.h5> <group>
-//       XOR 0x01 into byte 100 of the first storage chunk of the first
-//       dataset under <group> (e.g. /model/embed.weight), in the file's
-//       bytes below HDF5, as bit rot would: only the chunk's Fletcher-32
-//       checksum can tell.
+//       flips a stored data byte of the first dataset under <group> (e.g.
+//       /model/embed.weight) in the file's bytes below HDF5, as bit rot
+//       would (fsdp_h5::testing::flip_chunk_byte): only the chunk's
+//       Fletcher-32 checksum can tell.
 //   train-ckpt-tamper nan <rank-R.h5> <group>
 //       writes a NaN over element 0 of the first dataset under <group>
 //       (float32) through HDF5, so its checksum is right: only a
@@ -21,8 +21,9 @@
 //       <to>, and the "files" entry too with rename-file) and re-signs its
 //       checksum, so the edit reaches the checks after the checksum (a
 //       missing tensor, another shape, another model, a path outside).
+#include <fsdp_h5/testing.h>
+
 #include <H5Cpp.h>
-#include <hdf5.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -106,44 +107,23 @@ int edit_index(int argc, char** argv) {
   return 0;
 }
 
-int flip(const std::string& file, const std::string& group) {
-  haddr_t address = HADDR_UNDEF;
-  hsize_t size = 0;
-  std::string dataset;
-  {
-    H5::H5File f(file, H5F_ACC_RDONLY);
-    H5::Group g = f.openGroup(group);
-    if (g.getNumObjs() == 0) throw std::runtime_error(group + " holds no dataset");
-    dataset = group + "/" + g.getObjnameByIdx(0);
-    H5::DataSet ds = f.openDataSet(dataset);
-    const int rank = ds.getSpace().getSimpleExtentNdims();
-    const std::vector<hsize_t> origin(static_cast<size_t>(rank > 0 ? rank : 1), 0);
-    unsigned filter_mask = 0;
-    if (H5Dget_chunk_info_by_coord(ds.getId(), origin.data(), &filter_mask, &address, &size) < 0 ||
-        address == HADDR_UNDEF) {
-      throw std::runtime_error(dataset + ": no storage chunk (not a chunked dataset?)");
-    }
-  }
-  if (size <= 100) throw std::runtime_error(dataset + ": its first chunk is too small");
-  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
-  const auto offset = static_cast<std::streamoff>(address + 100);
-  io.seekg(offset);
-  char byte = 0;
-  io.read(&byte, 1);
-  const char flipped = static_cast<char>(byte ^ 1);
-  io.seekp(offset);
-  io.write(&flipped, 1);
-  if (!io) throw std::runtime_error("cannot rewrite byte " + std::to_string(offset));
-  std::cout << "    flipped bit 0 of byte " << offset << " of " << file << " (" << dataset
-            << ", first chunk at " << address << ", " << size << " bytes)\n";
-  return 0;
-}
-
-// The first dataset under `group`, as flip finds it.
+// The first dataset under `group` (HDF5's index order): what flip and nan damage.
 std::string first_dataset(H5::H5File& f, const std::string& group) {
   H5::Group g = f.openGroup(group);
   if (g.getNumObjs() == 0) throw std::runtime_error(group + " holds no dataset");
   return group + "/" + g.getObjnameByIdx(0);
+}
+
+int flip(const std::string& file, const std::string& group) {
+  std::string dataset;
+  {
+    H5::H5File f(file, H5F_ACC_RDONLY);
+    dataset = first_dataset(f, group);
+  }
+  const auto at = fsdp_h5::testing::flip_chunk_byte(file, dataset);
+  std::cout << "    flipped byte " << at.offset << " of " << file << " (" << dataset
+            << ", first chunk at " << at.chunk_address << ", " << at.chunk_size << " bytes)\n";
+  return 0;
 }
 
 int write_nan(const std::string& file, const std::string& group) {

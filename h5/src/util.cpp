@@ -1,7 +1,7 @@
-// The shared HDF5 helpers (reference/h5_util.h).
-#include "reference/h5_util.h"
+// The shared HDF5 helpers (fsdp_h5/util.h).
+#include "fsdp_h5/util.h"
 
-namespace h5util {
+namespace fsdp_h5 {
 
 void write_string_attr(H5::H5Object& obj, const std::string& name, const std::string& value,
                        EmptyString empty) {
@@ -97,4 +97,4 @@ H5::DataSet write_dataset(H5::Group& g, const std::string& name, const H5::PredT
   return ds;
 }
 
-}  // namespace h5util
+}  // namespace fsdp_h5

@@ -1,8 +1,10 @@
-// HDF5 helpers of the reference store (reference/src/store.cpp) and, through
-// fsdp_h5util, fsdp-train (whose checkpoints are fsdp::dcp's now): scalar string
-// and integer attributes, a dataset's extent and type name, a group's
-// members, whole-dataset reads and writes. Library fsdp_h5util (HDF5 only,
-// no LibTorch).
+// fsdp_h5: the HDF5 helpers of the programs around libfsdp (the reference
+// store in reference/, fsdp-checkpoint's export and its test checkpoints):
+// scalar string and integer attributes, a dataset's extent and type name, a
+// group's members, whole-dataset reads and writes. HDF5's C++ API only, no
+// LibTorch and no libfsdp (libfsdp's own checkpoint I/O is
+// libfsdp/src/checkpoint/h5io.cpp). Errors are HDF5's H5::Exception unless
+// said otherwise. Test-only helpers: fsdp_h5/testing.h.
 #pragma once
 
 #include <H5Cpp.h>
@@ -13,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace h5util {
+namespace fsdp_h5 {
 
 // An attribute asked for strictly that is missing or of another class:
 // "attribute <name> is missing", "attribute <name> is not a string",
@@ -24,7 +26,7 @@ struct AttributeError : std::runtime_error {
 
 // How a string attribute stores "" (a string type needs at least one byte):
 //   Nul    a one-byte string holding NUL; values read back as stored
-//          (fsdp-train's checkpoints, whose digests cover the exact text)
+//          (for text whose exact bytes matter, e.g. one a digest covers)
 //   Space  " ", and " " reads back as "" (the reference files)
 enum class EmptyString { Nul, Space };
 
@@ -77,4 +79,4 @@ std::vector<T> read_all(const H5::DataSet& ds, const H5::PredType& mem_type,
   return v;
 }
 
-}  // namespace h5util
+}  // namespace fsdp_h5
