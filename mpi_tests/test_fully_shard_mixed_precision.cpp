@@ -58,7 +58,8 @@
 
 namespace {
 
-using prec::device_batch, prec::diff, prec::local_part, prec::Managed, prec::report;
+using prec::device_batch, prec::local_part, prec::Managed, prec::report;
+using testkit::max_abs_diff;
 
 const char* dt_name(c10::ScalarType t) { return c10::toString(t); }
 
@@ -196,7 +197,7 @@ double emulated_main_grad_gap(int64_t seed, c10::ScalarType low,
   }
   double gap = 0;
   for (const auto& [name, g] : total) {
-    gap = std::max(gap, diff(g, fp32.at(name).grad().detach().to(at::kCPU, at::kFloat)));
+    gap = std::max(gap, max_abs_diff(g, fp32.at(name).grad().detach().to(at::kCPU, at::kFloat)));
   }
   return gap;
 }
@@ -261,7 +262,7 @@ void check_mp_case(const MpConfig& c) {
     const at::Tensor ref_g = ref.grads.at(m.name).to(at::kFloat);
     fsdp_sq += prec::sq_norm(full);
     ref_sq += prec::sq_norm(ref_g);
-    worst_elem = std::max(worst_elem, diff(full, ref_g));
+    worst_elem = std::max(worst_elem, max_abs_diff(full, ref_g));
   }
   const double loss_err = std::abs(global_loss - ref.loss);
   const double norm_err = std::abs(std::sqrt(fsdp_sq) - std::sqrt(ref_sq));
@@ -285,7 +286,7 @@ void check_mp_case(const MpConfig& c) {
   double emu_grad_err = 0;
   for (const auto& m : ms) {
     if (!m.param.grad().defined()) continue;
-    const double e = diff(m.param.grad(), local_part(emu.grads.at(m.name), m.dt));
+    const double e = max_abs_diff(m.param.grad(), local_part(emu.grads.at(m.name), m.dt));
     BOOST_TEST(e < tol_emul, "[" << c.id << "] " << m.name << " grad vs micro-batch emulation: "
                                  << e);
     emu_grad_err = std::max(emu_grad_err, e);
@@ -427,7 +428,8 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
     BOOST_TEST(it->second.scalar_type() == at::kFloat);
     BOOST_TEST((it->second.sizes() == g.sizes()));
     if (it->second.sizes() == g.sizes()) {
-      BOOST_TEST(diff(it->second, g) == 0.0, m.name << ": main_grads() differs from param.grad()");
+      BOOST_TEST(max_abs_diff(it->second, g) == 0.0,
+                 m.name << ": main_grads() differs from param.grad()");
     }
   }
 
@@ -453,15 +455,16 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
     const at::Tensor g = prec::grad_or_zeros(m);
     // A parameter without a first-pass gradient already failed above; its
     // gap is infinite here so the recorded worst case cannot hide it.
-    const double e1 = after_first.count(m.name)
-                          ? diff(after_first[m.name], local_part(emu_first.at(m.name), m.dt))
-                          : std::numeric_limits<double>::infinity();
+    const double e1 =
+        after_first.count(m.name)
+            ? max_abs_diff(after_first[m.name], local_part(emu_first.at(m.name), m.dt))
+            : std::numeric_limits<double>::infinity();
     BOOST_TEST(e1 < tol, m.name << " pass-1 main grad vs emulation: " << e1);
     first_err = std::max(first_err, e1);
-    const double e = diff(g, local_part(emu_total.at(m.name), m.dt));
+    const double e = max_abs_diff(g, local_part(emu_total.at(m.name), m.dt));
     BOOST_TEST(e < tol, m.name << " accumulated main grad vs emulation: " << e);
     total_err = std::max(total_err, e);
-    fp32_err = std::max(fp32_err, diff(g, local_part(r32.at(m.name).grad(), m.dt)));
+    fp32_err = std::max(fp32_err, max_abs_diff(g, local_part(r32.at(m.name).grad(), m.dt)));
     const at::Tensor full = prec::full_of(g, m.dt);  // collective
     sq += prec::sq_norm(full);
     sq32 += prec::sq_norm(r32.at(m.name).grad());

@@ -29,6 +29,7 @@
 //      parameters per step on the dp group (per parameter without
 //      comm_fusion), and none elsewhere.
 #include "baseline_metrics.h"
+#include "tensor_diff.h"
 #include "with_pp_util.h"
 
 namespace {
@@ -37,7 +38,7 @@ namespace {
 // Comparisons
 
 // Max |a - b| in double; +inf if one is undefined or the shapes differ.
-double err(const at::Tensor& a, const at::Tensor& b) { return l1::diff(a, b); }
+double err(const at::Tensor& a, const at::Tensor& b) { return testkit::max_abs_diff_or_inf(a, b); }
 
 // Worst error over `got` vs the rows of `want` this rank holds (by
 // `layout`), asserting each entry. Returns the worst.

@@ -6,6 +6,7 @@
 #include "spmd.h"
 #include "raw_mpi.h"
 #include "report.h"
+#include "tensor_diff.h"
 #include "toy_models.h"
 
 #include <fsdp/comm.h>
@@ -41,13 +42,6 @@ inline double world_max(double v) { return raw_mpi::max_over_ranks(v); }
 // The suites' one report type (report.h), under the name the L1 helpers use.
 using testkit::Report;
 
-// |a - b| max, on the host; +inf if either is undefined or shapes differ.
-inline double diff(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() || !b.defined()) return kInf;
-  if (a.sizes() != b.sizes()) return kInf;
-  return toy::max_abs_diff(host(a), host(b));
-}
-
 // The part of a full tensor this rank holds under Shard(0) over `parts`
 // ranks (index = its rank in the shard group).
 inline at::Tensor my_rows(const at::Tensor& full, int64_t parts, int64_t index) {
@@ -66,7 +60,7 @@ inline double grad_err(torch::nn::Module& model, torch::nn::Module& ref, int64_t
     if (r == nullptr || !r->grad().defined()) return kInf;
     const at::Tensor g = item.value().grad();
     const at::Tensor expect = my_rows(r->grad(), parts, index) * scale;
-    const double e = diff(g, expect);
+    const double e = testkit::max_abs_diff_or_inf(g, expect);
     if (!(e <= worst)) worst = e;  // keeps NaN/inf
   }
   return worst;
@@ -80,7 +74,7 @@ inline double data_err(torch::nn::Module& model, torch::nn::Module& ref, int64_t
   for (const auto& item : model.named_parameters()) {
     const at::Tensor* r = ref_params.find(item.key());
     if (r == nullptr) return kInf;
-    const double e = diff(item.value(), my_rows(*r, parts, index));
+    const double e = testkit::max_abs_diff_or_inf(item.value(), my_rows(*r, parts, index));
     if (!(e <= worst)) worst = e;
   }
   return worst;
