@@ -17,6 +17,7 @@
 // both dims of a 2x2 mesh. Runs at np 2, 3 (no power-of-two assumption)
 // and 4. Shared-memory barriers count epochs in 32 bits from just below the
 // wrap, so every shm case here runs across it.
+#include "cpu_collectives_util.h"
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -36,65 +37,14 @@
 
 namespace {
 
+using cpu_coll::acc_of, cpu_coll::error_ratio, cpu_coll::fold, cpu_coll::g_ref_comm,
+    cpu_coll::gather_world, cpu_coll::group_rows, cpu_coll::input, cpu_coll::kAllTypes,
+    cpu_coll::kBlocks, cpu_coll::KeepSettings, cpu_coll::ReferenceComm, cpu_coll::use;
 using fsdp::CpuAlgorithm;
 using fsdp::ProcessGroupPtr;
 using fsdp::ReduceOp;
 
-MPI_Comm g_ref_comm = MPI_COMM_NULL;
-
-struct ReferenceComm {
-  ReferenceComm() { MPI_Comm_dup(MPI_COMM_WORLD, &g_ref_comm); }
-  ~ReferenceComm() { MPI_Comm_free(&g_ref_comm); }
-};
 BOOST_TEST_GLOBAL_FIXTURE(ReferenceComm);
-
-// Restores the start-up settings after each case.
-struct KeepSettings {
-  fsdp::CpuCollectives saved = fsdp::cpu_collectives();
-  ~KeepSettings() { fsdp::set_cpu_collectives(saved); }
-};
-
-void use(CpuAlgorithm a) { fsdp::set_cpu_collectives({a, 0, 0, 0, 0}); }
-
-// Every world rank's `mine` (same numel everywhere), [world, numel], raw bytes.
-at::Tensor gather_world(const at::Tensor& mine) {
-  const int n = spmd::world_size();
-  at::Tensor all = at::empty({n, mine.numel()}, mine.options());
-  const int bytes = static_cast<int>(mine.nbytes());
-  MPI_Allgather(mine.data_ptr(), bytes, MPI_BYTE, all.data_ptr(), bytes, MPI_BYTE, g_ref_comm);
-  return all;
-}
-
-// The group's members' rows of gather_world, in group-rank order.
-at::Tensor group_rows(const at::Tensor& world_rows, const ProcessGroupPtr& g) {
-  std::vector<int64_t> idx(g->world_ranks().begin(), g->world_ranks().end());
-  return world_rows.index_select(0, at::tensor(idx, at::kLong));
-}
-
-// Distinct, sign-mixed values per rank and element; integers stay small.
-at::Tensor input(c10::ScalarType t, int64_t numel, int salt) {
-  at::Tensor base = at::arange(numel, at::kDouble);
-  at::Tensor v = at::sin(base * 0.37 + (spmd::rank() + 1) * 1.3 + salt) * 4.0 +
-                 0.01 * (spmd::rank() + 1);
-  if (!at::isFloatingType(t)) v = at::round(v * 10);
-  return v.to(t).contiguous();
-}
-
-c10::ScalarType acc_of(c10::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf ? at::kFloat : t;
-}
-
-// rows [n, m] -> the left fold over `order` of rows in the accumulation
-// type (divided by n there for AVG), rounded once to rows' dtype.
-at::Tensor fold(const at::Tensor& rows, const std::vector<int64_t>& order, ReduceOp op) {
-  at::Tensor acc = rows[order[0]].to(acc_of(rows.scalar_type()));
-  for (size_t k = 1; k < order.size(); ++k) {
-    at::Tensor x = rows[order[k]].to(acc.scalar_type());
-    acc = op == ReduceOp::MAX ? at::maximum(acc, x) : acc + x;
-  }
-  if (op == ReduceOp::AVG) acc = acc / static_cast<double>(order.size());
-  return acc.to(rows.scalar_type());
-}
 
 // The documented order of block `b` of n for the algorithm.
 std::vector<int64_t> order_of(CpuAlgorithm a, int64_t b, int64_t n) {
@@ -103,39 +53,10 @@ std::vector<int64_t> order_of(CpuAlgorithm a, int64_t b, int64_t n) {
   return order;
 }
 
-// Worst |got - want| over the allowed error: <= 1 passes. The bound for
-// sums: half an ulp of the 16-bit result (rounded once) plus n ulps of the
-// accumulation type's error on sum |x|; exact for integers and max.
-double error_ratio(const at::Tensor& got, const at::Tensor& rows, ReduceOp op) {
-  const at::Tensor d = rows.to(at::kDouble);
-  const int64_t n = rows.size(0);
-  at::Tensor want = op == ReduceOp::MAX ? std::get<0>(d.max(0)) : d.sum(0);
-  if (op == ReduceOp::AVG) want = want / static_cast<double>(n);
-  const at::Tensor err = (got.to(at::kDouble) - want).abs();
-  const auto t = rows.scalar_type();
-  if (!at::isFloatingType(t) || op == ReduceOp::MAX) {
-    return err.max().item<double>() == 0 ? 0.0 : 1e30;
-  }
-  const double acc_eps = acc_of(t) == at::kDouble ? 0x1p-52 : 0x1p-23;
-  at::Tensor bound = d.abs().sum(0) * (acc_eps * static_cast<double>(n + 1));
-  if (op == ReduceOp::AVG) bound = bound / static_cast<double>(n);
-  if (acc_of(t) != t) {
-    const double half_ulp = t == at::kBFloat16 ? 0x1p-8 : 0x1p-11;
-    bound = bound + want.abs() * half_ulp;
-  }
-  bound = bound + 1e-300;
-  return (err / bound).max().item<double>();
-}
-
 // libfsdp's own algorithms. Shm reduces in pairwise's order (same bits).
 const std::vector<CpuAlgorithm> kOwnAlgorithms{CpuAlgorithm::Ring, CpuAlgorithm::Pairwise,
                                                CpuAlgorithm::Shm};
 const std::vector<c10::ScalarType> kFloatTypes{at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
-const std::vector<c10::ScalarType> kAllTypes{at::kFloat, at::kDouble, at::kBFloat16,
-                                             at::kHalf,  at::kInt,    at::kLong};
-// Elements per rank's block: 1, odd, and past the 256 KiB per-peer chunk
-// for every dtype (2-byte: 131072 elements per chunk).
-const std::vector<int64_t> kBlocks{1, 7, 1000, 140001};
 
 std::vector<ProcessGroupPtr> groups() {
   const int n = spmd::world_size();

@@ -5,6 +5,7 @@
 // built here, never from the library under test. Part of the test_dtensor executable (np 1, 2, 4;
 // gpu1, gpu2, gpu4).
 #include "dtensor_util.h"
+#include "tensor_diff.h"
 
 // ---- StridedShard -------------------------------------------------------
 
@@ -403,7 +404,7 @@ BOOST_AUTO_TEST_CASE(strided_shard_fused_pieces) {  // [ours]
       const at::Tensor reduced = partial.redistribute(fused).to_local();
       if (w > 1) BOOST_TEST(collectives_issued() == 1);
       const at::Tensor sum = full * static_cast<double>(w * (w + 1) / 2);
-      BOOST_TEST(toy::max_abs_diff(reduced, fused_rows(sum, 3, w, spmd::rank())) < 1e-4);
+      BOOST_TEST(testkit::max_abs_diff(reduced, fused_rows(sum, 3, w, spmd::rank())) < 1e-4);
     }
   }
   check_throws<fsdp::ShapeError>(

@@ -33,8 +33,8 @@
 
 namespace {
 
-using prec::device_batch, prec::diff, prec::kInf, prec::local_part, prec::norm_of, prec::Managed,
-    prec::report;
+using prec::device_batch, prec::kInf, prec::local_part, prec::norm_of, prec::Managed, prec::report;
+using testkit::max_abs_diff;
 
 }  // namespace
 
@@ -148,12 +148,12 @@ void check_clip(const std::string& form, std::optional<fsdp::DeviceMesh> mesh) {
     const double coef = max_norm / (ref_norm + 1e-6);
     double grad_err = 0;
     for (const auto& m : ms) {
-      const double e = diff(m.param.grad(), local_part(ref_grads.at(m.name) * coef, m.dt));
+      const double e = max_abs_diff(m.param.grad(), local_part(ref_grads.at(m.name) * coef, m.dt));
       BOOST_TEST(e < tol, "[" << id << "] " << m.name << " clipped grad vs single card: " << e);
       grad_err = std::max(grad_err, e);
     }
     {
-      const double e = diff(ignored.grad(), ref_grads.at("fc3.bias") * coef);
+      const double e = max_abs_diff(ignored.grad(), ref_grads.at("fc3.bias") * coef);
       BOOST_TEST(e < tol, "[" << id << "] fc3.bias (ignored) clipped grad vs single card: " << e);
       grad_err = std::max(grad_err, e);
     }
@@ -172,7 +172,8 @@ void check_clip(const std::string& form, std::optional<fsdp::DeviceMesh> mesh) {
     const double again = fsdp::clip_grad_norm_({s.root}, {}, 2 * max_norm, p);
     BOOST_TEST(std::abs(again - after) < tol);
     double moved = 0;
-    for (size_t i = 0; i < before.size(); ++i) moved = std::max(moved, diff(before[i], local_pieces[i]));
+    for (size_t i = 0; i < before.size(); ++i)
+      moved = std::max(moved, max_abs_diff(before[i], local_pieces[i]));
     BOOST_TEST(moved == 0.0, "[" << id << "] clipping below max_norm changed a gradient by "
                                  << moved);
 
@@ -270,6 +271,7 @@ BOOST_AUTO_TEST_CASE(test_grad_clip_with_dtensor_grads) {  // L2-07
     const at::Tensor before = s.model->fc2->weight.grad().clone();
     expect_arg("parameters", [&] { fsdp::clip_grad_norm_({s.root}, {}, 1e-3, 2.0, true); },
                "NaN gradient with error_if_nonfinite");
-    BOOST_TEST(diff(s.model->fc2->weight.grad(), before) == 0.0, "refused call scaled grads");
+    BOOST_TEST(max_abs_diff(s.model->fc2->weight.grad(), before) == 0.0,
+               "refused call scaled grads");
   }
 }

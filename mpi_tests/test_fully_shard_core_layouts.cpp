@@ -4,6 +4,7 @@
 // partial over tp all-reduced there before FSDP reduces them. Part of the
 // test_fully_shard_core executable (np 2, 4; gpu2, gpu4; label core).
 #include "fully_shard_core_util.h"
+#include "tensor_diff.h"
 
 namespace {
 
@@ -351,8 +352,8 @@ BOOST_AUTO_TEST_CASE(test_partial_tp_gradients_reduced_over_tp,  // [ours]
                                                        dt.device_mesh(), dt.placements(),
                                                        dt.shape())
                                  .full_tensor();
-        report.check(name + " grad vs single process", toy::max_abs_diff(host(g), want.at(name)),
-                     tol);
+        report.check(name + " grad vs single process",
+                     testkit::max_abs_diff(host(g), want.at(name)), tol);
       }
       report.publish();
     }

@@ -3,6 +3,7 @@
 // factor, and an expert mesh without the unit's shard dim. Part of the
 // test_fully_shard_core executable (np 2, 4; gpu2, gpu4; label core).
 #include "fully_shard_core_util.h"
+#include "tensor_diff.h"
 
 namespace {
 
@@ -45,7 +46,7 @@ double worst_shard_err(torch::nn::Module& model, torch::nn::Module& ref,
     const at::Tensor want =
         toy::ceil_div_rows(host(grads ? r.grad() : r), 0, parts, index) * ref_scale;
     const at::Tensor got = grads ? item.value().grad() : item.value();
-    const double e = l1::diff(got, want);
+    const double e = testkit::max_abs_diff_or_inf(got, want);
     if (!(e <= worst)) worst = e;
   }
   return worst;
@@ -188,8 +189,8 @@ BOOST_AUTO_TEST_CASE(test_gradient_divide_factor_per_group,  // [ours]
                                     sparse.get_local_rank("efsdp")) *
                      0.5
                : toy::ceil_div_rows(host(ref_params[item.key()].grad()), 0, 4, rank);
-    (expert ? expert_err : dense_err) =
-        std::max(expert ? expert_err : dense_err, l1::diff(item.value().grad(), want));
+    (expert ? expert_err : dense_err) = std::max(
+        expert ? expert_err : dense_err, testkit::max_abs_diff_or_inf(item.value().grad(), want));
   }
   l1::Report report("core divide factor");
   report.check("dense grads (factor 4) vs single card", dense_err, 1e-5);

@@ -58,7 +58,8 @@
 
 namespace {
 
-using prec::device_batch, prec::diff, prec::local_part, prec::Managed, prec::report;
+using prec::device_batch, prec::local_part, prec::Managed, prec::report;
+using testkit::max_abs_diff;
 
 const char* dt_name(c10::ScalarType t) { return c10::toString(t); }
 
@@ -196,7 +197,7 @@ double emulated_main_grad_gap(int64_t seed, c10::ScalarType low,
   }
   double gap = 0;
   for (const auto& [name, g] : total) {
-    gap = std::max(gap, diff(g, fp32.at(name).grad().detach().to(at::kCPU, at::kFloat)));
+    gap = std::max(gap, max_abs_diff(g, fp32.at(name).grad().detach().to(at::kCPU, at::kFloat)));
   }
   return gap;
 }
@@ -261,7 +262,7 @@ void check_mp_case(const MpConfig& c) {
     const at::Tensor ref_g = ref.grads.at(m.name).to(at::kFloat);
     fsdp_sq += prec::sq_norm(full);
     ref_sq += prec::sq_norm(ref_g);
-    worst_elem = std::max(worst_elem, diff(full, ref_g));
+    worst_elem = std::max(worst_elem, max_abs_diff(full, ref_g));
   }
   const double loss_err = std::abs(global_loss - ref.loss);
   const double norm_err = std::abs(std::sqrt(fsdp_sq) - std::sqrt(ref_sq));
@@ -285,7 +286,7 @@ void check_mp_case(const MpConfig& c) {
   double emu_grad_err = 0;
   for (const auto& m : ms) {
     if (!m.param.grad().defined()) continue;
-    const double e = diff(m.param.grad(), local_part(emu.grads.at(m.name), m.dt));
+    const double e = max_abs_diff(m.param.grad(), local_part(emu.grads.at(m.name), m.dt));
     BOOST_TEST(e < tol_emul, "[" << c.id << "] " << m.name << " grad vs micro-batch emulation: "
                                  << e);
     emu_grad_err = std::max(emu_grad_err, e);
@@ -382,6 +383,130 @@ BOOST_AUTO_TEST_CASE(test_mp_cast_forward_inputs_false) {  // L1-12
              "control: fc1 saw " << dt_name(s2.model->fc1->seen_input));
 }
 
+namespace {
+
+using MpModel = prec::ShardedModel<prec::PMlp>;
+
+// L1-13: param.grad() is the fp32 main grad, and main_grads() returns it.
+void check_main_grads_are_param_grads(const MpModel& s, const std::vector<prec::Managed>& ms) {
+  std::map<std::string, at::Tensor> mains;
+  for (const auto& u : s.units()) {
+    for (auto& [name, t] : u.fsdp.main_grads()) mains[u.prefix + name] = t;
+  }
+  BOOST_TEST(mains.size() == ms.size(), "main_grads() entries " << mains.size());
+  for (const auto& m : ms) {
+    const at::Tensor g = m.param.grad();
+    BOOST_TEST(g.defined(), m.name << " has no gradient");
+    if (!g.defined()) continue;
+    BOOST_TEST(g.scalar_type() == at::kFloat, m.name << " grad " << dt_name(g.scalar_type()));
+    auto it = mains.find(m.name);
+    BOOST_TEST((it != mains.end() && it->second.defined()), m.name << ": no main grad");
+    if (it == mains.end() || !it->second.defined()) continue;
+    BOOST_TEST(it->second.scalar_type() == at::kFloat);
+    BOOST_TEST((it->second.sizes() == g.sizes()));
+    if (it->second.sizes() == g.sizes()) {
+      BOOST_TEST(max_abs_diff(it->second, g) == 0.0,
+                 m.name << ": main_grads() differs from param.grad()");
+    }
+  }
+}
+
+// L1-13's matching single-card reference: micro-batch emulation of both
+// passes (total), and of the first alone (first), accumulated in fp32.
+struct EmulatedPasses {
+  std::map<std::string, at::Tensor> total, first;
+};
+
+EmulatedPasses emulate_passes(int64_t seed, const MpConfig& c,
+                              const std::vector<toy::Batch>& batches) {
+  EmulatedPasses out;
+  for (size_t pass = 0; pass < batches.size(); ++pass) {
+    const Emulation e = emulate(seed, c, batches[pass]);
+    for (const auto& [name, g] : e.grads) {
+      const at::Tensor g32 = g.to(at::kFloat);
+      if (pass == 0) out.first[name] = g32;
+      out.total[name] = out.total.count(name) ? out.total[name] + g32 : g32;
+    }
+  }
+  return out;
+}
+
+// L1-13 on the CPU, where bf16 stands in for fp16: the gaps to the fp32
+// single card (ref32's gradients) are expected failures, and the fp16
+// form's gap is estimated by emulation.
+void record_cpu_stand_in_gaps(const MpConfig& c, c10::ScalarType low, int64_t seed,
+                              const std::vector<toy::Batch>& batches, prec::PMlp ref32,
+                              double fp32_gap, double fp32_norm_gap, double tol) {
+  const int rank = spmd::rank();
+  const std::string why = std::string(dt_name(low)) +
+                          " compute on CPU (the fp16 stand-in): its ulp at these gradients is "
+                          "~1e-3, so 1e-5 against fp32 is out of reach; the fp16 form under "
+                          "the gpu labels asserts it";
+  prec::expected_failure(c.id, "2-pass main grad vs fp32 single card", fp32_gap, tol, why);
+  prec::expected_failure(c.id, "2-pass grad norm vs fp32 single card", fp32_norm_gap, tol, why);
+
+  // What the fp16 form (gpu labels) will see, estimated here: the same
+  // training emulated with fp16 rounding. The emulator is first held to
+  // the bf16 gap just measured (the same emulation with bf16 rounding must
+  // land within 4x of it), then its fp16 figure is recorded: an expected
+  // failure when above the plan's 1e-5, which the gpu entries keep
+  // asserting (docs/test-plan.md, "L1-13's fp16 form").
+  const double emu_bf16 =
+      emulated_main_grad_gap(seed, at::kBFloat16, batches, prec::named_params(*ref32));
+  const double emu_fp16 =
+      emulated_main_grad_gap(seed, at::kHalf, batches, prec::named_params(*ref32));
+  const double ratio = emu_bf16 / fp32_gap;
+  BOOST_TEST((ratio >= 0.25 && ratio <= 4.0),
+             "the 16-bit emulator's bf16 gap " << emu_bf16 << " is not within 4x of the measured "
+                                               << fp32_gap
+                                               << ": its fp16 estimate is not credible");
+  if (rank == 0) {
+    std::cout << "[" << c.id << "] 16-bit emulator: bf16 gap " << emu_bf16 << " (measured "
+              << fp32_gap << "), fp16 gap " << emu_fp16 << std::endl;
+  }
+  const std::string what = "fp16 form, estimated on CPU (fp16-rounding emulation): 2-pass main "
+                           "grad vs fp32 single card";
+  if (emu_fp16 <= tol) {
+    prec::report(c.id, what, emu_fp16, tol);
+  } else {
+    prec::expected_failure(c.id, what, emu_fp16, tol,
+                           "fp16 compute rounds each op to an 11-bit significand; at these "
+                           "gradients that alone exceeds 1e-5: the plan's 1e-5 is not reachable "
+                           "with fp16 parameters, and the gpu entries, which assert it, are "
+                           "expected to miss it by about this much");
+  }
+}
+
+// L1-13: the fp32 main grad is what keeps the gradient fp32 when the
+// reduction is 16-bit: reduce_dtype = low with and without the flag.
+void check_low_reduce_dtype(int64_t seed, c10::ScalarType low,
+                            const std::vector<toy::Batch>& batches) {
+  const int ws = spmd::world_size(), rank = spmd::rank();
+  for (bool flag : {true, false}) {
+    fsdp::MixedPrecisionPolicy mp;
+    mp.param_dtype = low;
+    mp.reduce_dtype = low;
+    mp.apply_grad_on_fp32_main_grad = flag;
+    auto [n2, r2] = mp_options(mp);
+    auto s2 = prec::shard_model(prec::PMlp(seed, false), n2, r2);
+    for (const auto& b : batches) {
+      const toy::Batch mine = toy::slice(b, rank, ws);
+      toy::mse(s2.net(mine.x), mine.y).backward();
+    }
+    const c10::ScalarType want = flag ? at::kFloat : low;
+    for (const auto& m : s2.managed()) {
+      const at::Tensor g = m.param.grad();
+      BOOST_TEST(g.defined(), m.name << " has no gradient");
+      if (!g.defined()) continue;
+      BOOST_TEST(g.scalar_type() == want, "reduce " << dt_name(low) << ", fp32 main grad " << flag
+                                                    << ": " << m.name << " grad "
+                                                    << dt_name(g.scalar_type()));
+    }
+  }
+}
+
+}  // namespace
+
 BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
   const int ws = spmd::world_size(), rank = spmd::rank();
   const int64_t seed = 13;
@@ -409,39 +534,10 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
   }
   BOOST_TEST(s.model->fc1->seen_weight == low);
 
-  // param.grad() is the fp32 main grad, and main_grads() returns it.
   const auto ms = s.managed();
-  std::map<std::string, at::Tensor> mains;
-  for (const auto& u : s.units()) {
-    for (auto& [name, t] : u.fsdp.main_grads()) mains[u.prefix + name] = t;
-  }
-  BOOST_TEST(mains.size() == ms.size(), "main_grads() entries " << mains.size());
-  for (const auto& m : ms) {
-    const at::Tensor g = m.param.grad();
-    BOOST_TEST(g.defined(), m.name << " has no gradient");
-    if (!g.defined()) continue;
-    BOOST_TEST(g.scalar_type() == at::kFloat, m.name << " grad " << dt_name(g.scalar_type()));
-    auto it = mains.find(m.name);
-    BOOST_TEST((it != mains.end() && it->second.defined()), m.name << ": no main grad");
-    if (it == mains.end() || !it->second.defined()) continue;
-    BOOST_TEST(it->second.scalar_type() == at::kFloat);
-    BOOST_TEST((it->second.sizes() == g.sizes()));
-    if (it->second.sizes() == g.sizes()) {
-      BOOST_TEST(diff(it->second, g) == 0.0, m.name << ": main_grads() differs from param.grad()");
-    }
-  }
+  check_main_grads_are_param_grads(s, ms);
 
-  // Matching single-card reference: micro-batch emulation of both passes,
-  // accumulated in fp32.
-  std::map<std::string, at::Tensor> emu_total, emu_first;
-  for (size_t pass = 0; pass < batches.size(); ++pass) {
-    const Emulation e = emulate(seed, c, batches[pass]);
-    for (const auto& [name, g] : e.grads) {
-      const at::Tensor g32 = g.to(at::kFloat);
-      if (pass == 0) emu_first[name] = g32;
-      emu_total[name] = emu_total.count(name) ? emu_total[name] + g32 : g32;
-    }
-  }
+  const EmulatedPasses emu = emulate_passes(seed, c, batches);
   // fp32 single card: both global batches, gradients accumulated by autograd.
   prec::PMlp ref32(seed, false);
   ref32->to(spmd::device());
@@ -453,15 +549,16 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
     const at::Tensor g = prec::grad_or_zeros(m);
     // A parameter without a first-pass gradient already failed above; its
     // gap is infinite here so the recorded worst case cannot hide it.
-    const double e1 = after_first.count(m.name)
-                          ? diff(after_first[m.name], local_part(emu_first.at(m.name), m.dt))
-                          : std::numeric_limits<double>::infinity();
+    const double e1 =
+        after_first.count(m.name)
+            ? max_abs_diff(after_first[m.name], local_part(emu.first.at(m.name), m.dt))
+            : std::numeric_limits<double>::infinity();
     BOOST_TEST(e1 < tol, m.name << " pass-1 main grad vs emulation: " << e1);
     first_err = std::max(first_err, e1);
-    const double e = diff(g, local_part(emu_total.at(m.name), m.dt));
+    const double e = max_abs_diff(g, local_part(emu.total.at(m.name), m.dt));
     BOOST_TEST(e < tol, m.name << " accumulated main grad vs emulation: " << e);
     total_err = std::max(total_err, e);
-    fp32_err = std::max(fp32_err, diff(g, local_part(r32.at(m.name).grad(), m.dt)));
+    fp32_err = std::max(fp32_err, max_abs_diff(g, local_part(r32.at(m.name).grad(), m.dt)));
     const at::Tensor full = prec::full_of(g, m.dt);  // collective
     sq += prec::sq_norm(full);
     sq32 += prec::sq_norm(r32.at(m.name).grad());
@@ -483,63 +580,8 @@ BOOST_AUTO_TEST_CASE(test_mp_apply_grad_on_fp32_main_grad) {  // L1-13
     report(c.id, "2-pass grad norm vs fp32 single card", fp32_norm_gap, tol);
     BOOST_TEST(fp32_norm_gap <= tol, "2-pass grad norm vs fp32 single card: " << fp32_norm_gap);
   } else {
-    const std::string why = std::string(dt_name(low)) +
-                            " compute on CPU (the fp16 stand-in): its ulp at these gradients is "
-                            "~1e-3, so 1e-5 against fp32 is out of reach; the fp16 form under "
-                            "the gpu labels asserts it";
-    prec::expected_failure(c.id, "2-pass main grad vs fp32 single card", fp32_gap, tol, why);
-    prec::expected_failure(c.id, "2-pass grad norm vs fp32 single card", fp32_norm_gap, tol, why);
-
-    // What the fp16 form (gpu labels) will see, estimated here: the same
-    // training emulated with fp16 rounding. The emulator is first held to
-    // the bf16 gap just measured (the same emulation with bf16 rounding must
-    // land within 4x of it), then its fp16 figure is recorded: an expected
-    // failure when above the plan's 1e-5, which the gpu entries keep
-    // asserting (docs/test-plan.md, "L1-13's fp16 form").
-    const double emu_bf16 = emulated_main_grad_gap(seed, at::kBFloat16, batches, prec::named_params(*ref32));
-    const double emu_fp16 = emulated_main_grad_gap(seed, at::kHalf, batches, prec::named_params(*ref32));
-    const double ratio = emu_bf16 / fp32_gap;
-    BOOST_TEST((ratio >= 0.25 && ratio <= 4.0),
-               "the 16-bit emulator's bf16 gap " << emu_bf16 << " is not within 4x of the measured "
-                                                  << fp32_gap << ": its fp16 estimate is not credible");
-    if (rank == 0) {
-      std::cout << "[" << c.id << "] 16-bit emulator: bf16 gap " << emu_bf16 << " (measured "
-                << fp32_gap << "), fp16 gap " << emu_fp16 << std::endl;
-    }
-    const std::string what = "fp16 form, estimated on CPU (fp16-rounding emulation): 2-pass main "
-                             "grad vs fp32 single card";
-    if (emu_fp16 <= tol) {
-      prec::report(c.id, what, emu_fp16, tol);
-    } else {
-      prec::expected_failure(c.id, what, emu_fp16, tol,
-                             "fp16 compute rounds each op to an 11-bit significand; at these "
-                             "gradients that alone exceeds 1e-5: the plan's 1e-5 is not reachable "
-                             "with fp16 parameters, and the gpu entries, which assert it, are "
-                             "expected to miss it by about this much");
-    }
+    record_cpu_stand_in_gaps(c, low, seed, batches, ref32, fp32_gap, fp32_norm_gap, tol);
   }
 
-  // The fp32 main grad is what keeps the gradient fp32 when the reduction is
-  // 16-bit: reduce_dtype = low with and without the flag.
-  for (bool flag : {true, false}) {
-    fsdp::MixedPrecisionPolicy mp;
-    mp.param_dtype = low;
-    mp.reduce_dtype = low;
-    mp.apply_grad_on_fp32_main_grad = flag;
-    auto [n2, r2] = mp_options(mp);
-    auto s2 = prec::shard_model(prec::PMlp(seed, false), n2, r2);
-    for (const auto& b : batches) {
-      const toy::Batch mine = toy::slice(b, rank, ws);
-      toy::mse(s2.net(mine.x), mine.y).backward();
-    }
-    const c10::ScalarType want = flag ? at::kFloat : low;
-    for (const auto& m : s2.managed()) {
-      const at::Tensor g = m.param.grad();
-      BOOST_TEST(g.defined(), m.name << " has no gradient");
-      if (!g.defined()) continue;
-      BOOST_TEST(g.scalar_type() == want, "reduce " << dt_name(low) << ", fp32 main grad " << flag
-                                                    << ": " << m.name << " grad "
-                                                    << dt_name(g.scalar_type()));
-    }
-  }
+  check_low_reduce_dtype(seed, low, batches);
 }

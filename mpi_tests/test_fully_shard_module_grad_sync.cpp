@@ -20,6 +20,7 @@
 // over ranks with raw MPI (common/baseline_metrics.h).
 #include "baseline_metrics.h"
 #include "fully_shard_module_util.h"
+#include "tensor_diff.h"
 
 namespace {
 // Forward + backward of a sharded MLP on this rank's rows; the local loss.
@@ -229,8 +230,9 @@ BOOST_AUTO_TEST_CASE(test_set_reduce_op_type, *multi_rank()) {  // L1-03
         continue;
       }
       BOOST_TEST(s->step() == rs->step());
-      const double e = std::max(l1::diff(s->exp_avg(), l1::my_rows(rs->exp_avg(), ws, rank)),
-                                l1::diff(s->exp_avg_sq(), l1::my_rows(rs->exp_avg_sq(), ws, rank)));
+      const double e = std::max(
+          testkit::max_abs_diff_or_inf(s->exp_avg(), l1::my_rows(rs->exp_avg(), ws, rank)),
+          testkit::max_abs_diff_or_inf(s->exp_avg_sq(), l1::my_rows(rs->exp_avg_sq(), ws, rank)));
       state_worst = std::max(state_worst, e);
       BOOST_TEST(e <= kGradTol, "step " << k << ": Adam state of " << item.key() << " error " << e);
     }
@@ -283,7 +285,7 @@ BOOST_AUTO_TEST_CASE(test_zero_grad, *multi_rank()) {  // L1-04
     const auto params = m.model->parameters();
     double data_change = 0;
     for (size_t i = 0; i < params.size(); ++i) {
-      data_change = std::max(data_change, l1::diff(params[i], snapshot[i]));
+      data_change = std::max(data_change, testkit::max_abs_diff_or_inf(params[i], snapshot[i]));
     }
     BOOST_TEST(data_change == 0.0, tag << ": zero_grad() changed parameter data by " << data_change);
 
@@ -322,7 +324,8 @@ BOOST_AUTO_TEST_CASE(test_set_requires_gradient_sync, *multi_rank()) {  // exist
                                  {&m.fc2, "fc2."}, {&m.root, ""}}) {
       for (const auto& [name, g] : unit->unsynced_grads()) {
         const at::Tensor* r = ref_params.find(prefix + name);
-        worst = std::max(worst, r == nullptr ? l1::kInf : l1::diff(g, r->grad()));
+        worst =
+            std::max(worst, r == nullptr ? l1::kInf : testkit::max_abs_diff_or_inf(g, r->grad()));
         ++seen;
       }
     }

@@ -16,6 +16,7 @@
 // the single-card gradient. Each case prints its worst error over all ranks as
 // "[<id>] <what>: worst <err> (tol <tol>)".
 #include "fully_shard_module_util.h"
+#include "tensor_diff.h"
 
 #include <chrono>
 #include <thread>
@@ -168,7 +169,8 @@ BOOST_AUTO_TEST_CASE(test_manual_reshard_unshard_lifecycle, *multi_rank()) {  //
     auto ref_params = ref->named_parameters();
     for (const auto& item : m.model->named_parameters()) {
       if (item.key().rfind(prefix, 0) != 0) continue;
-      worst = std::max(worst, l1::diff(item.value(), *ref_params.find(item.key())));
+      worst =
+          std::max(worst, testkit::max_abs_diff_or_inf(item.value(), *ref_params.find(item.key())));
     }
     return worst;
   };

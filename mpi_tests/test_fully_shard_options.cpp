@@ -45,7 +45,8 @@
 
 namespace {
 
-using prec::bytes_of, prec::device_batch, prec::diff, prec::local_part, prec::Managed, prec::report;
+using prec::bytes_of, prec::device_batch, prec::local_part, prec::Managed, prec::report;
+using testkit::max_abs_diff;
 
 }  // namespace
 
@@ -103,8 +104,8 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
   BOOST_TEST(fwd.total("all_gather") == managed_with_grad,
              "all_gather per forward " << fwd.total("all_gather"));
   BOOST_TEST(model->fc1->weight.data_ptr() == w1_ptr, "fc1.weight storage was replaced");
-  BOOST_TEST(diff(model->fc1->weight, full_w1) == 0.0, "fc1.weight value changed");
-  BOOST_TEST(diff(model->fc3->bias, full_b3) == 0.0, "fc3.bias value changed");
+  BOOST_TEST(max_abs_diff(model->fc1->weight, full_w1) == 0.0, "fc1.weight value changed");
+  BOOST_TEST(max_abs_diff(model->fc3->bias, full_b3) == 0.0, "fc3.bias value changed");
 
   // Single card on this rank's own batch (for the ignored params) and on the
   // global batch (for the managed ones).
@@ -122,12 +123,12 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
     if (!p.grad().defined()) continue;
     BOOST_TEST((p.grad().sizes() == rl.at(name).sizes()), name << " grad shape "
                                                                << p.grad().sizes());
-    const double e = diff(p.grad(), rl.at(name).grad());
+    const double e = max_abs_diff(p.grad(), rl.at(name).grad());
     BOOST_TEST(e < tol, name << " grad vs single card on this rank's batch: " << e);
     ign_err = std::max(ign_err, e);
     // The local-batch gradient must differ from the synchronised one, or the
     // check above could not tell them apart.
-    sep = std::min(sep, diff(rl.at(name).grad(), rg.at(name).grad()));
+    sep = std::min(sep, max_abs_diff(rl.at(name).grad(), rg.at(name).grad()));
   }
   BOOST_TEST(sep > 1e-3, "local and global reference grads too close to discriminate: " << sep);
   // Not synchronised: the ranks' ignored gradients differ.
@@ -136,7 +137,8 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
                        ? model->fc1->weight.grad().detach().contiguous()
                        : at::zeros_like(model->fc1->weight);
     const at::Tensor all = raw_mpi::all_gather(g);
-    const double across = diff(all.narrow(0, 0, g.numel()), all.narrow(0, g.numel(), g.numel()));
+    const double across =
+        max_abs_diff(all.narrow(0, 0, g.numel()), all.narrow(0, g.numel(), g.numel()));
     BOOST_TEST(across > 1e-3, "fc1.weight grads equal across ranks (synchronised?): " << across);
     report(id, "ignored grad difference rank 0 vs rank 1 (must be large)",
            prec::max_over_ranks(across), 0);
@@ -147,7 +149,7 @@ BOOST_AUTO_TEST_CASE(test_ignored_params) {  // L1-06
     const at::Tensor g = m.param.grad();
     BOOST_TEST(g.defined(), m.name << " has no gradient");
     if (!g.defined()) continue;
-    const double e = diff(g, local_part(rg.at(m.name).grad(), m.dt));
+    const double e = max_abs_diff(g, local_part(rg.at(m.name).grad(), m.dt));
     BOOST_TEST(e < tol, m.name << " grad vs single card: " << e);
     man_err = std::max(man_err, e);
   }
@@ -249,7 +251,7 @@ BOOST_AUTO_TEST_CASE(test_comm_fusion_numerical_correctness) {  // L1-08
       auto it = b.grads.find(name);
       BOOST_TEST((it != b.grads.end()), name << " missing in the no-fusion run");
       if (it == b.grads.end()) continue;
-      const double e = diff(g, it->second);
+      const double e = max_abs_diff(g, it->second);
       BOOST_TEST(e < 1e-6, "step " << i << " " << name << " grad fusion vs no-fusion: " << e);
       grad_err = std::max(grad_err, e);
     }
@@ -326,8 +328,8 @@ void check_replicate(const fsdp::FullyShardOptions& base, const std::string& id)
     const at::Tensor all = raw_mpi::all_gather(v);
     double spread = 0;
     for (int k = 1; k < spmd::world_size(); ++k) {
-      spread = std::max(spread, diff(all.narrow(0, 0, v.numel()),
-                                     all.narrow(0, k * v.numel(), v.numel())));
+      spread = std::max(spread, max_abs_diff(all.narrow(0, 0, v.numel()),
+                                             all.narrow(0, k * v.numel(), v.numel())));
     }
     BOOST_TEST(spread == 0.0, "[" << id << "] " << m.name << " differs across ranks: " << spread);
   }

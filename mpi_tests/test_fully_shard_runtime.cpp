@@ -11,6 +11,7 @@
 // No case here offloads (CPUOffloadPolicy): offloaded shards, pinned on
 // CUDA, are checked in test_fully_shard_precision.
 #include "spmd.h"
+#include "tensor_diff.h"
 #include "toy_models.h"
 
 #include <fsdp/dtensor.h>
@@ -61,7 +62,8 @@ BOOST_AUTO_TEST_CASE(grads_match_single_card) {  // [ours]
   for (const auto& [mine_p, ref_p] : pairs) {
     BOOST_TEST(mine_p.size(0) == fsdp::shard_extent(ref_p.size(0), ws, rank).length);
     BOOST_TEST_REQUIRE(mine_p.grad().defined());
-    BOOST_TEST(toy::max_abs_diff(mine_p.grad(), toy::shard_rows(ref_p.grad(), ws, rank)) < 1e-6);
+    BOOST_TEST(testkit::max_abs_diff(mine_p.grad(), toy::shard_rows(ref_p.grad(), ws, rank)) <
+               1e-6);
   }
 }
 
@@ -95,7 +97,7 @@ BOOST_AUTO_TEST_CASE(world_size_one_issues_no_collectives,  // [ours]
   toy::mse(s.root(batch.x), batch.y).backward();
   BOOST_TEST(fsdp::collective_counters().sequence.empty());
   toy::mse(ref(batch.x), batch.y).backward();
-  BOOST_TEST(toy::max_abs_diff(s.model->fc1->weight.grad(), ref->fc1->weight.grad()) == 0.0);
+  BOOST_TEST(testkit::max_abs_diff(s.model->fc1->weight.grad(), ref->fc1->weight.grad()) == 0.0);
 }
 
 // One rank holds each parameter whole, in its own dtype: the module computes
@@ -124,10 +126,10 @@ BOOST_AUTO_TEST_CASE(world_size_one_computes_on_the_shard_itself,  // [ours]
     BOOST_TEST_REQUIRE(mine.size() == theirs.size());
     for (size_t i = 0; i < mine.size(); ++i) {
       BOOST_TEST_CONTEXT(when << ", parameter " << i) {
-        BOOST_TEST(toy::max_abs_diff(mine[i], theirs[i]) == 0.0);
+        BOOST_TEST(testkit::max_abs_diff(mine[i], theirs[i]) == 0.0);
         BOOST_TEST_REQUIRE(mine[i].grad().defined() == theirs[i].grad().defined());
         if (mine[i].grad().defined()) {
-          BOOST_TEST(toy::max_abs_diff(mine[i].grad(), theirs[i].grad()) == 0.0);
+          BOOST_TEST(testkit::max_abs_diff(mine[i].grad(), theirs[i].grad()) == 0.0);
         }
       }
     }
@@ -188,7 +190,8 @@ BOOST_AUTO_TEST_CASE(tied_weights_live_in_one_unit) {  // [ours]
   at::nll_loss(at::log_softmax(root(my_tokens), 1), my_targets).backward();
   at::nll_loss(at::log_softmax(ref(tokens), 1), targets).backward();
   // The tied weight gets both uses' gradient, sharded once.
-  BOOST_TEST(toy::max_abs_diff(model->embed.grad(), toy::shard_rows(ref->embed.grad(), ws, rank)) < 1e-6);
+  BOOST_TEST(testkit::max_abs_diff(model->embed.grad(),
+                                   toy::shard_rows(ref->embed.grad(), ws, rank)) < 1e-6);
 }
 
 BOOST_AUTO_TEST_CASE(weights_tied_across_units_are_rejected) {  // [ours]
@@ -235,7 +238,8 @@ BOOST_AUTO_TEST_CASE(root_without_own_parameters) {  // [ours]
   auto* fc0 = model->children()[0]->as<torch::nn::Linear>();
   auto* ref0 = ref[0]->as<torch::nn::Linear>();
   BOOST_TEST_REQUIRE(fc0 != nullptr);
-  BOOST_TEST(toy::max_abs_diff(fc0->weight.grad(), toy::shard_rows(ref0->weight.grad(), ws, rank)) < 1e-6);
+  BOOST_TEST(testkit::max_abs_diff(fc0->weight.grad(),
+                                   toy::shard_rows(ref0->weight.grad(), ws, rank)) < 1e-6);
 }
 
 BOOST_AUTO_TEST_CASE(state_dict_round_trips) {  // [ours]

@@ -37,8 +37,9 @@
 
 namespace {
 
-using prec::device_batch, prec::diff, prec::kInf, prec::local_part, prec::norm_of, prec::Managed,
-    prec::report, prec::sgd;
+using prec::device_batch, prec::kInf, prec::local_part, prec::norm_of, prec::Managed, prec::report,
+    prec::sgd;
+using testkit::max_abs_diff;
 
 }  // namespace
 
@@ -150,7 +151,7 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
         BOOST_TEST(g.defined(), where << " " << m.name << ": no accumulated gradient");
         const at::Tensor want = own_acc.at(m.name);
         const at::Tensor got = g.defined() ? g : at::zeros_like(want);
-        const double e = diff(got, want);
+        const double e = max_abs_diff(got, want);
         BOOST_TEST(e < tol, where << " " << m.name << " accumulated grad vs single card on this "
                                         "rank's micro-batches: " << e);
         middle_err = std::max(middle_err, e);
@@ -189,7 +190,7 @@ void check_grad_accumulation(const std::string& id, bool hsdp) {
       const at::Tensor g = m.param.grad();
       BOOST_TEST(g.defined(), "[" << id << "] " << m.name << " has no merged gradient");
       const at::Tensor got = g.defined() ? g : at::zeros_like(m.param);
-      const double e = diff(got, local_part(want.at(m.name), m.dt));
+      const double e = max_abs_diff(got, local_part(want.at(m.name), m.dt));
       BOOST_TEST(e < tol, "[" << id << "] cycle " << cycle << " " << m.name
                               << " merged grad vs large-batch single card: " << e);
       merged_err = std::max(merged_err, e);
@@ -295,7 +296,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {  // L2-02
         }
         BOOST_TEST(g.defined(), "[" << id << "] " << m.name << " has no gradient");
         if (!g.defined()) continue;
-        const double e = diff(g, local_part(want.at(m.name), m.dt));
+        const double e = max_abs_diff(g, local_part(want.at(m.name), m.dt));
         BOOST_TEST(e < tol, "[" << id << "] step " << step << " " << m.name
                                 << " grad vs single card: " << e);
         grad_err = std::max(grad_err, e);
@@ -310,7 +311,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {  // L2-02
       s.root.zero_grad();
       for (const auto& m : s.managed()) {
         if (!frozen.count(m.name)) continue;
-        BOOST_TEST(diff(m.param, initial.at(m.name)) == 0.0,
+        BOOST_TEST(max_abs_diff(m.param, initial.at(m.name)) == 0.0,
                    "[" << id << "] frozen " << m.name << " changed at step " << step);
       }
     }
@@ -318,7 +319,7 @@ BOOST_AUTO_TEST_CASE(test_frozen_params_mixed_training) {  // L2-02
     double param_err = 0;
     const auto ref_params = prec::named_params(*ref);
     for (const auto& m : s.managed()) {
-      const double e = diff(m.param, local_part(ref_params.at(m.name), m.dt));
+      const double e = max_abs_diff(m.param, local_part(ref_params.at(m.name), m.dt));
       BOOST_TEST(e < tol, "[" << id << "] " << m.name << " after 2 SGD steps vs single card: "
                               << e);
       param_err = std::max(param_err, e);
@@ -410,7 +411,7 @@ BOOST_AUTO_TEST_CASE(test_dynamic_sequence_length) {  // L2-08
       const at::Tensor g = m.param.grad();
       BOOST_TEST(g.defined(), where << " " << m.name << " has no gradient");
       if (!g.defined()) continue;
-      const double e = diff(g, local_part(want.at(m.name), m.dt));
+      const double e = max_abs_diff(g, local_part(want.at(m.name), m.dt));
       BOOST_TEST(e < tol, where << " " << m.name << " grad vs single card: " << e);
       grad_err = std::max(grad_err, e);
     }

@@ -68,12 +68,12 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {  // [ours]
     fsdp::ActivationCheckpointOptions options;
     options.mode = mode;
     const auto ck = grads_of(options);
-    BOOST_TEST(diff(ck[0], plain[0]) == 0.0);
-    BOOST_TEST(diff(ck[1], plain[1]) == 0.0);
+    BOOST_TEST(max_abs_diff(ck[0], plain[0]) == 0.0);
+    BOOST_TEST(max_abs_diff(ck[1], plain[1]) == 0.0);
     // Without the replay the recompute draws another dropout mask.
     options.preserve_rng_state = false;
     const auto unreplayed = grads_of(options);
-    BOOST_TEST(diff(unreplayed[0], plain[0]) > 1e-3);
+    BOOST_TEST(max_abs_diff(unreplayed[0], plain[0]) > 1e-3);
   }
 
   torch::nn::Linear lin(3, 3);
@@ -139,7 +139,7 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {  // [ours]
     const std::string correct = backward_on_another_thread(
         fsdp::activation_checkpoint(lin_fn, {x.detach()}, lin->parameters()).sum());
     BOOST_TEST(correct.empty(), "correct use, backward on another thread: '" << correct << "'");
-    BOOST_TEST(diff(lin->weight.grad(), expected) == 0.0);
+    BOOST_TEST(max_abs_diff(lin->weight.grad(), expected) == 0.0);
   }
   // An input modified in place between forward and backward.
   {
@@ -159,7 +159,7 @@ BOOST_AUTO_TEST_CASE(test_checkpoint_api_contract) {  // [ours]
     fsdp::activation_checkpoint([&](const at::Tensor& t) { return lin(t); }, x.detach(), lin->parameters())
         .sum()
         .backward();
-    BOOST_TEST(diff(lin->weight.grad(), expected) == 0.0);
+    BOOST_TEST(max_abs_diff(lin->weight.grad(), expected) == 0.0);
   }
   const auto any_module = [](const torch::nn::Module&) { return true; };
   BOOST_CHECK_EXCEPTION(fsdp::activation_checkpoint_every_nth(0, any_module), fsdp::ArgumentError,
@@ -238,7 +238,7 @@ BOOST_AUTO_TEST_CASE(test_ac_mixed_precision_fsdp) {  // [ours]
           ++undefined;
           continue;
         }
-        worst = std::max(worst, diff(mine, g));
+        worst = std::max(worst, max_abs_diff(mine, g));
       }
     }
     worst = prec::max_over_ranks(worst);

@@ -31,6 +31,7 @@
 //    card too), and everything else matches the single card as in
 //    test_ep_fsdp_coupling.
 #include "raw_mpi.h"
+#include "tensor_diff.h"
 #include "with_ep_util.h"
 
 namespace {
@@ -48,7 +49,8 @@ double named_err(const Named& got, const Named& want, Pick pick, double tol, dou
   for (const auto& [name, w] : want) {
     if (!pick(name)) continue;
     auto it = got.find(name);
-    const double e = it == got.end() ? l1::kInf : l1::diff(it->second, w * scale);
+    const double e =
+        it == got.end() ? l1::kInf : testkit::max_abs_diff_or_inf(it->second, w * scale);
     BOOST_TEST(e <= tol, name << ": error " << e);
     if (!(e <= worst)) worst = e;
   }
@@ -76,9 +78,10 @@ double conditioned_param_err(const Run& got, const Run& want, int64_t* skipped, 
     *skipped += keep.numel() - keep.sum().item<int64_t>();
     *total += keep.numel();
     auto it = got.params.find(name);
-    const double e = it == got.params.end()
-                         ? l1::kInf
-                         : l1::diff(it->second.masked_select(keep), w.masked_select(keep));
+    const double e =
+        it == got.params.end()
+            ? l1::kInf
+            : testkit::max_abs_diff_or_inf(it->second.masked_select(keep), w.masked_select(keep));
     BOOST_TEST(e <= kTol, name << " after AdamW: error " << e);
     if (!(e <= worst)) worst = e;
   }
@@ -201,7 +204,7 @@ void check_coupling(l1::Report& report, const Run& got, const Run& want, const L
     if (!(ge <= grads)) grads = ge;
 
     for (size_t j = 0; j < w.expert_norms.size(); ++j) {
-      const double ne = l1::diff(g.expert_norms[j], w.expert_norms[j]);
+      const double ne = testkit::max_abs_diff_or_inf(g.expert_norms[j], w.expert_norms[j]);
       BOOST_TEST(ne <= kTol, at << "block " << j << " per-expert grad norms " << g.expert_norms[j]
                                 << " vs single card " << w.expert_norms[j]);
       if (!(ne <= norms)) norms = ne;
@@ -285,7 +288,7 @@ BOOST_AUTO_TEST_CASE(test_ep_expert_grad_scaling,  // [ours]
                named_err(g, ref, is_expert, tol, 2.0), tol);
   double gap = l1::kInf;
   for (const auto& [name, w] : ref) {
-    if (is_expert(name)) gap = std::min(gap, l1::diff(g.at(name), w));
+    if (is_expert(name)) gap = std::min(gap, testkit::max_abs_diff_or_inf(g.at(name), w));
   }
   report.check_differs("expert grads vs single card (" + wrong.text() +
                            "), least max-abs difference over w1/w2/w3, above the plan's tolerance",

@@ -22,9 +22,9 @@
 
 namespace {
 
-using prec::diff;
 using prec::local_part;
 using prec::report;
+using testkit::max_abs_diff;
 
 // a: Linear(8, 6), weight [6, 8]: dim 1 (8) divides 2 and 4 -> Shard(1).
 // b: Linear(6, 4), weight [4, 6]: Replicate() through shard_placement_fn.
@@ -115,7 +115,7 @@ BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {  // L1-07
   BOOST_TEST(model->a->weight.size(0) == 6);
   BOOST_TEST(model->a->weight.size(1) == 8 / ws,
              "a.weight shape " << model->a->weight.sizes() << ", expected [6, " << 8 / ws << "]");
-  BOOST_TEST(diff(model->a->weight, a_full.narrow(1, rank * (8 / ws), 8 / ws)) == 0.0,
+  BOOST_TEST(max_abs_diff(model->a->weight, a_full.narrow(1, rank * (8 / ws), 8 / ws)) == 0.0,
              "a.weight shard holds the wrong columns");
   BOOST_TEST((model->b->weight.sizes() == c10::IntArrayRef({4, 6})),
              "b.weight shape " << model->b->weight.sizes() << ", expected the full [4, 6]");
@@ -143,7 +143,7 @@ BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {  // L1-07
   // The gathered a.weight is the original full weight.
   for (const auto& m : ms) {
     if (m.name != "a.weight") continue;
-    BOOST_TEST(diff(prec::full_of(m.param.detach(), m.dt), a_full) == 0.0);
+    BOOST_TEST(max_abs_diff(prec::full_of(m.param.detach(), m.dt), a_full) == 0.0);
   }
 
   // Loss, gradients and two SGD steps against the single card.
@@ -166,7 +166,7 @@ BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {  // L1-07
       BOOST_TEST(g.defined(), m.name << " has no gradient");
       if (!g.defined()) continue;
       BOOST_TEST((g.sizes() == m.param.sizes()), m.name << " grad shape " << g.sizes());
-      const double e = diff(g, local_part(prec::param_named(*ref, m.name).grad(), m.dt));
+      const double e = max_abs_diff(g, local_part(prec::param_named(*ref, m.name).grad(), m.dt));
       BOOST_TEST(e < tol, "step " << step << " " << m.name << " grad vs single card: " << e);
       grad_err = std::max(grad_err, e);
     }
@@ -181,7 +181,7 @@ BOOST_AUTO_TEST_CASE(test_custom_shard_placement_fn) {  // L1-07
     for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
   }
   for (const auto& m : ms) {
-    const double e = diff(m.param, local_part(prec::param_named(*ref, m.name), m.dt));
+    const double e = max_abs_diff(m.param, local_part(prec::param_named(*ref, m.name), m.dt));
     BOOST_TEST(e < tol, m.name << " after 2 SGD steps vs single card: " << e);
     param_err = std::max(param_err, e);
   }

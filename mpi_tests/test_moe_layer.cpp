@@ -115,20 +115,21 @@ void compare_with_plain(l1::Report& rep, const std::string& label, const MoEPair
     BOOST_ERROR(label << ": routing differs from the plain model's; numbers not compared");
     return;
   }
-  rep.check(label + " output", diff(lib.out, b.mine(plain.out)), kTol);
-  rep.check(label + " input gradient", diff(lib.x_grad, b.mine(plain.x_grad)), kTol);
+  rep.check(label + " output", max_abs_diff_or_inf_scaled_by_b(lib.out, b.mine(plain.out)), kTol);
+  rep.check(label + " input gradient",
+            max_abs_diff_or_inf_scaled_by_b(lib.x_grad, b.mine(plain.x_grad)), kTol);
   at::Tensor gate = p.lib->router->gate->weight.grad();
   gate = gate.defined() ? gate.clone() : at::full({p.E, p.D}, kInf, at::kFloat).to(dev());
   p.ep.get_group(0)->all_reduce(gate, fsdp::ReduceOp::SUM);
   rep.check(label + " gate gradient summed over ep",
-            diff(gate, p.plain->router->gate->weight.grad()), kTol);
+            max_abs_diff_or_inf_scaled_by_b(gate, p.plain->router->gate->weight.grad()), kTol);
   const auto mine = p.lib_experts();
   const auto want = p.plain_local(
       {p.plain->experts->w1.grad(), p.plain->experts->w2.grad(), p.plain->experts->w3.grad()});
   const char* names[] = {"w1", "w2", "w3"};
   for (size_t i = 0; i < 3; ++i) {
-    rep.check(label + " local experts' " + names[i] + " gradient", diff(mine[i].grad(), want[i]),
-              kTol);
+    rep.check(label + " local experts' " + names[i] + " gradient",
+              max_abs_diff_or_inf_scaled_by_b(mine[i].grad(), want[i]), kTol);
   }
 }
 
@@ -258,16 +259,17 @@ BOOST_AUTO_TEST_CASE(idle_expert_and_silent_rank) {  // [ours]
   for (int64_t e = first; e < first + local; ++e) {
     expect_rows.push_back(b.x.index_select(0, (ids == e).nonzero().select(1, 0)));
   }
-  rep.check("dispatched rows", diff(rows, at::cat(expect_rows)), 0);
-  rep.check("output", diff(out, b.mine(want)), kTol);
-  rep.check("input gradient", diff(x.grad(), b.mine(rx.grad())), kTol);
-  rep.check("routing weights' gradient", diff(w.grad(), b.mine(rw.grad())), kTol);
+  rep.check("dispatched rows", max_abs_diff_or_inf_scaled_by_b(rows, at::cat(expect_rows)), 0);
+  rep.check("output", max_abs_diff_or_inf_scaled_by_b(out, b.mine(want)), kTol);
+  rep.check("input gradient", max_abs_diff_or_inf_scaled_by_b(x.grad(), b.mine(rx.grad())), kTol);
+  rep.check("routing weights' gradient",
+            max_abs_diff_or_inf_scaled_by_b(w.grad(), b.mine(rw.grad())), kTol);
   const std::vector<at::Tensor> mine = {experts->w1, experts->w2, experts->w3};
   for (size_t i = 0; i < 3; ++i) {
     const at::Tensor g = mine[i].grad();
     BOOST_TEST(g.defined(), "expert tensor " << i << " has no gradient on rank " << rank());
     rep.check("local experts' w" + std::to_string(i + 1) + " gradient",
-              diff(g, full[i].grad().narrow(0, first, local)), kTol);
+              max_abs_diff_or_inf_scaled_by_b(g, full[i].grad().narrow(0, first, local)), kTol);
     const double idle_grad = !owner        ? 0
                              : g.defined() ? g[idle - first].abs().max().item<double>()
                                            : kInf;
@@ -291,7 +293,8 @@ BOOST_AUTO_TEST_CASE(expert_grad_norms_match_plain) {  // [ours]
   }
   l1::Report rep("EP-norms");
   BOOST_TEST(mismatches(p.lib->last_ids(), b.mine(p.plain->last_ids)) == 0);
-  rep.check("per-expert gradient norms vs plain", diff(norms, squares.sqrt()), kTol);
+  rep.check("per-expert gradient norms vs plain",
+            max_abs_diff_or_inf_scaled_by_b(norms, squares.sqrt()), kTol);
   rep.publish();
 }
 
@@ -313,7 +316,8 @@ BOOST_AUTO_TEST_CASE(rerun_is_bitwise_identical) {  // [ours]
   l1::Report rep("EP-determinism");
   double worst = first.size() == second.size() ? 0 : kInf;
   for (size_t i = 0; i < first.size() && i < second.size(); ++i) {
-    worst = std::max(worst, diff(first[i].to(at::kDouble), second[i].to(at::kDouble)));
+    worst = std::max(worst, max_abs_diff_or_inf_scaled_by_b(first[i].to(at::kDouble),
+                                                            second[i].to(at::kDouble)));
   }
   rep.check("rerun: output, gradients, ids, aux loss", worst, 0);
   rep.publish();

@@ -13,6 +13,7 @@
 
 #include <mpi.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -89,41 +90,47 @@ BOOST_AUTO_TEST_CASE(device_binding_rules) {  // [ours]
   BOOST_TEST(shared.find("FSDP_DEVICE=cpu") != std::string::npos, shared);
 }
 
-// The device choice under Slurm, on environments exactly as srun sets them
-// (no GPU needed): per-task binding, shared node GPUs, no GPU, and the
-// mistakes refused with the srun option that fixes them.
-BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
-  using fsdp::detail::DeviceRequest;
-  using fsdp::detail::explain_device_choice;
-  using fsdp::detail::read_slurm_gpu_facts;
-  using Env = std::map<std::string, std::string>;
-  const c10::Device cpu(c10::kCPU);
-  const auto cuda = [](int i) { return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)); };
-  const auto has = [](const std::string& text, const std::string& part) {
-    return text.find(part) != std::string::npos;
-  };
-  // What srun puts in every task's environment for a 1-node, 4-task step.
-  const auto slurm_task = [](int local_id) {
-    return Env{{"SLURM_JOB_ID", "4242"},         {"SLURM_STEP_ID", "0"},
-               {"SLURM_LOCALID", std::to_string(local_id)}, {"SLURM_NTASKS_PER_NODE", "4"},
-               {"SLURM_TASKS_PER_NODE", "4"}};
-  };
-  const auto state_error_with = [](std::vector<std::string> parts) {
-    return [parts](const fsdp::StateError& e) {
-      const std::string what = e.what();
-      bool all = true;
-      for (const auto& part : parts) {
-        if (what.find(part) == std::string::npos) {
-          BOOST_TEST_MESSAGE("missing '" << part << "' in: " << what);
-          all = false;
-        }
-      }
-      return all;
-    };
-  };
+// Pieces of device_binding_follows_slurm, one function per srun layout.
+namespace {
+namespace slurm_binding {
 
-  // (1) srun --ntasks-per-node=4 --gpus-per-task=1: each task sees its own
-  // GPU as the only one, so every rank is cuda:0.
+using fsdp::detail::DeviceRequest;
+using fsdp::detail::explain_device_choice;
+using fsdp::detail::read_slurm_gpu_facts;
+using Env = std::map<std::string, std::string>;
+const c10::Device cpu(c10::kCPU);
+
+c10::Device cuda(int i) { return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)); }
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// What srun puts in every task's environment for a 1-node, 4-task step.
+Env slurm_task(int local_id) {
+  return Env{{"SLURM_JOB_ID", "4242"},         {"SLURM_STEP_ID", "0"},
+             {"SLURM_LOCALID", std::to_string(local_id)}, {"SLURM_NTASKS_PER_NODE", "4"},
+             {"SLURM_TASKS_PER_NODE", "4"}};
+}
+
+// A BOOST_CHECK_EXCEPTION predicate: the StateError names every part.
+std::function<bool(const fsdp::StateError&)> state_error_with(std::vector<std::string> parts) {
+  return [parts](const fsdp::StateError& e) {
+    const std::string what = e.what();
+    bool all = true;
+    for (const auto& part : parts) {
+      if (what.find(part) == std::string::npos) {
+        BOOST_TEST_MESSAGE("missing '" << part << "' in: " << what);
+        all = false;
+      }
+    }
+    return all;
+  };
+}
+
+// (1) srun --ntasks-per-node=4 --gpus-per-task=1: each task sees its own
+// GPU as the only one, so every rank is cuda:0.
+void check_per_task_binding() {
   for (int r = 0; r < 4; ++r) {
     Env env = slurm_task(r);
     env["CUDA_VISIBLE_DEVICES"] = std::to_string(r);
@@ -157,9 +164,11 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
     BOOST_TEST(has(choice.description, "per-task binding"), choice.description);
     BOOST_TEST(has(choice.description, "of the node's 4"), choice.description);
   }
+}
 
-  // (2) --gpus-per-node=4 --ntasks-per-node=4: every task sees the node's
-  // 4 GPUs, rank r takes cuda:r.
+// (2) --gpus-per-node=4 --ntasks-per-node=4: every task sees the node's
+// 4 GPUs, rank r takes cuda:r.
+void check_node_gpus_shared() {
   for (int r = 0; r < 4; ++r) {
     Env env = slurm_task(r);
     env["CUDA_VISIBLE_DEVICES"] = "0,1,2,3";
@@ -184,9 +193,11 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
     BOOST_TEST(facts.malformed.empty());
     BOOST_TEST(explain_device_choice(DeviceRequest::Cuda, 1, 2, 2, facts).device == cuda(1));
   }
+}
 
-  // (3) --ntasks-per-node=4 --gpus-per-task=2: each task its own 2 GPUs,
-  // rank r takes the task's GPU r % 2; 4 ranks > 2 GPUs is no error here.
+// (3) --ntasks-per-node=4 --gpus-per-task=2: each task its own 2 GPUs,
+// rank r takes the task's GPU r % 2; 4 ranks > 2 GPUs is no error here.
+void check_gpus_per_task() {
   for (int r = 0; r < 4; ++r) {
     Env env = slurm_task(r);
     env["CUDA_VISIBLE_DEVICES"] = std::to_string(2 * r) + "," + std::to_string(2 * r + 1);
@@ -208,9 +219,11 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
     env["SLURM_GPUS_PER_TASK"] = "a100:2";
     BOOST_TEST(read_slurm_gpu_facts(env).gpus_per_task == 2);
   }
+}
 
-  // (4) Slurm gave the task no GPU: unset, empty or NoDevFiles, LibTorch
-  // sees 0. Auto falls back to the CPU; cuda is refused with the fix.
+// (4) Slurm gave the task no GPU: unset, empty or NoDevFiles, LibTorch
+// sees 0. Auto falls back to the CPU; cuda is refused with the fix.
+void check_no_gpu_given() {
   for (const char* visible : {"<unset>", "", "NoDevFiles"}) {
     Env env = slurm_task(0);
     if (std::string(visible) != "<unset>") env["CUDA_VISIBLE_DEVICES"] = visible;
@@ -238,9 +251,11 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
     BOOST_TEST(explain_device_choice(DeviceRequest::Auto, 0, 1, 0, facts).description ==
                "cpu (no CUDA device visible to LibTorch, CUDA_VISIBLE_DEVICES=0)");
   }
+}
 
-  // (5) --gpus-per-node=2 --ntasks-per-node=4: 4 ranks on one node-wide
-  // list of 2 GPUs would share them: refused on every rank, for auto too.
+// (5) --gpus-per-node=2 --ntasks-per-node=4: 4 ranks on one node-wide
+// list of 2 GPUs would share them: refused on every rank, for auto too.
+void check_gpus_shared_too_widely() {
   for (int r = 0; r < 4; ++r) {
     Env env = slurm_task(r);
     env["CUDA_VISIBLE_DEVICES"] = "0,1";
@@ -259,9 +274,11 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
     BOOST_TEST(explain_device_choice(DeviceRequest::Cuda, r % 2, 2, 2, facts).device ==
                cuda(r % 2));
   }
+}
 
-  // (6) Not under Slurm: the same devices as choose_device, never a Slurm
-  // error (4 ranks on 2 GPUs is left to the PCI-id check).
+// (6) Not under Slurm: the same devices as choose_device, never a Slurm
+// error (4 ranks on 2 GPUs is left to the PCI-id check).
+void check_not_under_slurm() {
   {
     const auto none = read_slurm_gpu_facts(Env{});
     BOOST_TEST(!none.under_slurm);
@@ -291,9 +308,11 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
                "cuda:0 (1 visible GPU, 4 local ranks (one GPU each only if every rank sees a "
                "different one), CUDA_VISIBLE_DEVICES=1)");
   }
+}
 
-  // (7) SLURM_LOCALID differs from the MPI local rank (e.g. an MPI launcher
-  // inside the allocation): MPI's rank decides, the description says so.
+// (7) SLURM_LOCALID differs from the MPI local rank (e.g. an MPI launcher
+// inside the allocation): MPI's rank decides, the description says so.
+void check_localid_differs() {
   {
     Env env = slurm_task(3);
     env["CUDA_VISIBLE_DEVICES"] = "0,1,2,3";
@@ -304,11 +323,13 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
                    "SLURM_LOCALID=3 differs from MPI local rank 1 (the MPI node split is used)"),
                choice.description);
   }
+}
 
-  // (8) Malformed values never throw: a Slurm number that does not parse is
-  // unknown and named in the description; CUDA_VISIBLE_DEVICES is read as
-  // CUDA reads it (the entries before the first invalid one), so ",," hides
-  // every GPU.
+// (8) Malformed values never throw: a Slurm number that does not parse is
+// unknown and named in the description; CUDA_VISIBLE_DEVICES is read as
+// CUDA reads it (the entries before the first invalid one), so ",," hides
+// every GPU.
+void check_malformed_values() {
   {
     Env env = slurm_task(0);
     env["SLURM_LOCALID"] = "abc";
@@ -347,6 +368,23 @@ BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
                2);
     BOOST_TEST(read_slurm_gpu_facts(Env{{"CUDA_VISIBLE_DEVICES", " 0, 1 "}}).visible_count == 2);
   }
+}
+
+}  // namespace slurm_binding
+}  // namespace
+
+// The device choice under Slurm, on environments exactly as srun sets them
+// (no GPU needed): per-task binding, shared node GPUs, no GPU, and the
+// mistakes refused with the srun option that fixes them.
+BOOST_AUTO_TEST_CASE(device_binding_follows_slurm) {  // [ours]
+  slurm_binding::check_per_task_binding();
+  slurm_binding::check_node_gpus_shared();
+  slurm_binding::check_gpus_per_task();
+  slurm_binding::check_no_gpu_given();
+  slurm_binding::check_gpus_shared_too_widely();
+  slurm_binding::check_not_under_slurm();
+  slurm_binding::check_localid_differs();
+  slurm_binding::check_malformed_values();
 }
 
 BOOST_AUTO_TEST_CASE(runtime_reports_blas) {  // [ours]

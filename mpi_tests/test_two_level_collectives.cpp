@@ -25,6 +25,7 @@
 // node-major and round-robin (--map-by node: the group's rank order is
 // not node-major), 3 nodes x 2 and 2 nodes x 4 (sub-mesh groups that span
 // both nodes with 2 ranks on each).
+#include "cpu_collectives_util.h"
 #include "spmd.h"
 
 #include <fsdp/comm.h>
@@ -46,16 +47,18 @@
 
 namespace {
 
+using cpu_coll::acc_of, cpu_coll::combine, cpu_coll::error_ratio, cpu_coll::flat_fold,
+    cpu_coll::g_ref_comm, cpu_coll::gather_world, cpu_coll::group_rows, cpu_coll::input,
+    cpu_coll::kAllTypes, cpu_coll::kBlocks, cpu_coll::KeepSettings, cpu_coll::use;
 using fsdp::CpuAlgorithm;
 using fsdp::ProcessGroupPtr;
 using fsdp::ReduceOp;
 
-MPI_Comm g_ref_comm = MPI_COMM_NULL;
 std::vector<int> g_node_of;  // world rank -> lowest world rank on its node
 
-struct ReferenceComm {
-  ReferenceComm() {
-    MPI_Comm_dup(MPI_COMM_WORLD, &g_ref_comm);
+// The reference communicator, and the node layout learnt on it.
+struct ReferenceCommAndNodes : cpu_coll::ReferenceComm {
+  ReferenceCommAndNodes() {
     MPI_Comm node = MPI_COMM_NULL;
     MPI_Comm_split_type(g_ref_comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
     int lowest = spmd::rank();
@@ -64,29 +67,8 @@ struct ReferenceComm {
     g_node_of.resize(static_cast<size_t>(spmd::world_size()));
     MPI_Allgather(&lowest, 1, MPI_INT, g_node_of.data(), 1, MPI_INT, g_ref_comm);
   }
-  ~ReferenceComm() { MPI_Comm_free(&g_ref_comm); }
 };
-BOOST_TEST_GLOBAL_FIXTURE(ReferenceComm);
-
-struct KeepSettings {
-  fsdp::CpuCollectives saved = fsdp::cpu_collectives();
-  ~KeepSettings() { fsdp::set_cpu_collectives(saved); }
-};
-
-void use(CpuAlgorithm a) { fsdp::set_cpu_collectives({a, 0, 0, 0, 0}); }
-
-at::Tensor gather_world(const at::Tensor& mine) {
-  const int n = spmd::world_size();
-  at::Tensor all = at::empty({n, mine.numel()}, mine.options());
-  const int bytes = static_cast<int>(mine.nbytes());
-  MPI_Allgather(mine.data_ptr(), bytes, MPI_BYTE, all.data_ptr(), bytes, MPI_BYTE, g_ref_comm);
-  return all;
-}
-
-at::Tensor group_rows(const at::Tensor& world_rows, const ProcessGroupPtr& g) {
-  std::vector<int64_t> idx(g->world_ranks().begin(), g->world_ranks().end());
-  return world_rows.index_select(0, at::tensor(idx, at::kLong));
-}
+BOOST_TEST_GLOBAL_FIXTURE(ReferenceCommAndNodes);
 
 // The group's nodes, each its group ranks in increasing order, the nodes in
 // the order of their lowest group rank. Empty when two_level has no layout
@@ -108,32 +90,6 @@ std::vector<std::vector<int64_t>> nodes_of(const ProcessGroupPtr& g) {
   return out;
 }
 
-at::Tensor input(c10::ScalarType t, int64_t numel, int salt) {
-  at::Tensor base = at::arange(numel, at::kDouble);
-  at::Tensor v = at::sin(base * 0.37 + (spmd::rank() + 1) * 1.3 + salt) * 4.0 +
-                 0.01 * (spmd::rank() + 1);
-  if (!at::isFloatingType(t)) v = at::round(v * 10);
-  return v.to(t).contiguous();
-}
-
-c10::ScalarType acc_of(c10::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf ? at::kFloat : t;
-}
-
-at::Tensor combine(const at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
-  return op == ReduceOp::MAX ? at::maximum(acc, x) : acc + x;
-}
-
-// rows [N, m] -> the left fold over ranks 0..N-1 (pairwise's order).
-at::Tensor flat_fold(const at::Tensor& rows, ReduceOp op) {
-  at::Tensor acc = rows[0].to(acc_of(rows.scalar_type()));
-  for (int64_t k = 1; k < rows.size(0); ++k) {
-    acc = combine(acc, rows[k].to(acc.scalar_type()), op);
-  }
-  if (op == ReduceOp::AVG) acc = acc / static_cast<double>(rows.size(0));
-  return acc.to(rows.scalar_type());
-}
-
 // rows [N, m] -> the documented two-level order (see the top of the file).
 at::Tensor two_level_fold(const at::Tensor& rows, const std::vector<std::vector<int64_t>>& nodes,
                           ReduceOp op) {
@@ -147,32 +103,6 @@ at::Tensor two_level_fold(const at::Tensor& rows, const std::vector<std::vector<
   if (op == ReduceOp::AVG) total = total / static_cast<double>(rows.size(0));
   return total.to(rows.scalar_type());
 }
-
-// As test_cpu_collectives: worst |got - exact| over the flat algorithms'
-// bound (half an ulp of a 16-bit result plus (N+1) ulps of the
-// accumulation type on sum |x|); exact for integers and MAX.
-double error_ratio(const at::Tensor& got, const at::Tensor& rows, ReduceOp op) {
-  const at::Tensor d = rows.to(at::kDouble);
-  const int64_t n = rows.size(0);
-  at::Tensor want = op == ReduceOp::MAX ? std::get<0>(d.max(0)) : d.sum(0);
-  if (op == ReduceOp::AVG) want = want / static_cast<double>(n);
-  const at::Tensor err = (got.to(at::kDouble) - want).abs();
-  const auto t = rows.scalar_type();
-  if (!at::isFloatingType(t) || op == ReduceOp::MAX) {
-    return err.max().item<double>() == 0 ? 0.0 : 1e30;
-  }
-  const double acc_eps = acc_of(t) == at::kDouble ? 0x1p-52 : 0x1p-23;
-  at::Tensor bound = d.abs().sum(0) * (acc_eps * static_cast<double>(n + 1));
-  if (op == ReduceOp::AVG) bound = bound / static_cast<double>(n);
-  if (acc_of(t) != t) bound = bound + want.abs() * (t == at::kBFloat16 ? 0x1p-8 : 0x1p-11);
-  bound = bound + 1e-300;
-  return (err / bound).max().item<double>();
-}
-
-const std::vector<c10::ScalarType> kAllTypes{at::kFloat, at::kDouble, at::kBFloat16,
-                                             at::kHalf,  at::kInt,    at::kLong};
-// 1, odd, and past the pairwise chunk (256 KiB per peer) and the fold chunk.
-const std::vector<int64_t> kBlocks{1, 7, 1000, 140001};
 
 // The largest block only where two_level has a layout: elsewhere it runs
 // pairwise, which test_cpu_collectives covers at every size, and 8 ranks

@@ -1,5 +1,7 @@
 #include "models/moe_llm.h"
 
+#include "models/llm.h"
+
 #include <ATen/ATen.h>
 
 #include <limits>
@@ -7,6 +9,18 @@
 #include <string>
 
 namespace models {
+
+MoEDecoderConfig moe_decoder_config(const DecoderConfig& d, int64_t experts, int64_t top_k) {
+  MoEDecoderConfig m;
+  m.vocab = d.vocab;
+  m.hidden = d.hidden;
+  m.heads = d.heads;
+  m.layers = d.layers;
+  m.seq = d.seq;
+  m.experts = experts;
+  m.top_k = top_k;
+  return m;
+}
 
 int64_t MoEDecoderConfig::ffn_dim() const {
   if (ffn > 0) return ffn;

@@ -5,6 +5,8 @@
 
 #include "spmd.h"
 #include "raw_mpi.h"
+#include "report.h"
+#include "tensor_diff.h"
 #include "toy_models.h"
 
 #include <fsdp/comm.h>
@@ -37,82 +39,8 @@ inline at::Tensor host(const at::Tensor& t) { return t.detach().to(at::kCPU); }
 // Max of a value over every world rank (collective over the world, raw MPI).
 inline double world_max(double v) { return raw_mpi::max_over_ranks(v); }
 
-// Worst errors of one case: check() asserts on this rank, publish() prints
-// the maximum over all ranks (rank 0) as
-//   [L1-xx] <what>: worst <err> (tol <tol>)
-// and records it (spmd::record_precision): kind "precision" when tol > 0,
-// "exact" when tol == 0; pass = worst <= tol. check_differs() entries are
-// recorded as kind "separation", metric "<what> (must exceed)", observed =
-// the smallest gap over ranks, pass = gap > min_gap.
-// publish() is collective: every rank must have made the same checks.
-class Report {
- public:
-  explicit Report(std::string id) : id_(std::move(id)) {}
-  bool check(const std::string& what, double err, double tol) {
-    const bool ok = err <= tol;  // false for NaN
-    BOOST_TEST(ok, id_ << " " << what << ": error " << err << " exceeds tol " << tol);
-    entries_.push_back({what, err, tol});
-    return ok;
-  }
-  // Asserts that two things differ by more than `min_gap` (e.g. unsynchronised replicas).
-  bool check_differs(const std::string& what, double gap, double min_gap) {
-    const bool ok = gap > min_gap;
-    BOOST_TEST(ok, id_ << " " << what << ": difference " << gap << " not above " << min_gap);
-    differs_.push_back({what, gap, min_gap});
-    return ok;
-  }
-  void publish() {
-    for (const auto& e : entries_) {
-      const double worst = world_max(e.err);
-      std::ostringstream os;
-      os << "[" << id_ << "] " << e.what << ": worst " << std::scientific << std::setprecision(3)
-         << worst << " (tol " << e.tol << ")";
-      if (spmd::rank() == 0) std::cout << os.str() << std::endl;
-      spmd::PrecisionRecord r;
-      r.case_id = id_;
-      r.metric = e.what;
-      r.tolerance = e.tol;
-      r.observed = worst;
-      r.pass = worst <= e.tol;  // false for NaN
-      r.kind = e.tol > 0 ? "precision" : "exact";
-      spmd::record_precision(r);
-    }
-    for (const auto& e : differs_) {
-      const double least = -world_max(-e.err);
-      std::ostringstream os;
-      os << "[" << id_ << "] " << e.what << ": smallest difference " << std::scientific
-         << std::setprecision(3) << least << " (must exceed " << e.tol << ")";
-      if (spmd::rank() == 0) std::cout << os.str() << std::endl;
-      spmd::PrecisionRecord r;
-      r.case_id = id_;
-      r.metric = e.what + " (must exceed)";
-      r.tolerance = e.tol;
-      r.observed = least;
-      r.pass = least > e.tol;  // false for NaN
-      r.kind = "separation";
-      spmd::record_precision(r);
-    }
-    entries_.clear();
-    differs_.clear();
-  }
-
- private:
-  struct Entry {
-    std::string what;
-    double err;
-    double tol;
-  };
-  std::string id_;
-  std::vector<Entry> entries_;
-  std::vector<Entry> differs_;
-};
-
-// |a - b| max, on the host; +inf if either is undefined or shapes differ.
-inline double diff(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() || !b.defined()) return kInf;
-  if (a.sizes() != b.sizes()) return kInf;
-  return toy::max_abs_diff(host(a), host(b));
-}
+// The suites' one report type (report.h), under the name the L1 helpers use.
+using testkit::Report;
 
 // The part of a full tensor this rank holds under Shard(0) over `parts`
 // ranks (index = its rank in the shard group).
@@ -132,7 +60,7 @@ inline double grad_err(torch::nn::Module& model, torch::nn::Module& ref, int64_t
     if (r == nullptr || !r->grad().defined()) return kInf;
     const at::Tensor g = item.value().grad();
     const at::Tensor expect = my_rows(r->grad(), parts, index) * scale;
-    const double e = diff(g, expect);
+    const double e = testkit::max_abs_diff_or_inf(g, expect);
     if (!(e <= worst)) worst = e;  // keeps NaN/inf
   }
   return worst;
@@ -146,7 +74,7 @@ inline double data_err(torch::nn::Module& model, torch::nn::Module& ref, int64_t
   for (const auto& item : model.named_parameters()) {
     const at::Tensor* r = ref_params.find(item.key());
     if (r == nullptr) return kInf;
-    const double e = diff(item.value(), my_rows(*r, parts, index));
+    const double e = testkit::max_abs_diff_or_inf(item.value(), my_rows(*r, parts, index));
     if (!(e <= worst)) worst = e;
   }
   return worst;

@@ -150,7 +150,7 @@ inline double tensor_diff(const std::map<std::string, at::Tensor>& g,
   auto a = g.find(name);
   auto b = w.find(name);
   if (a == g.end() || b == w.end()) return l1::kInf;
-  return l1::diff(a->second, b->second);
+  return testkit::max_abs_diff_or_inf(a->second, b->second);
 }
 
 // Every metric of every step of `got` against `want` at `tol`, labelled
@@ -227,9 +227,10 @@ inline void compare(l1::Report& report, const std::string& label, const ref::Run
         const at::Tensor keep = well_conditioned(want, k, name, m.adam_eps);
         const int64_t skipped = keep.numel() - keep.sum().item<int64_t>();
         auto it = g.params.find(name);
-        const double err = it == g.params.end() ? l1::kInf
-                                                : l1::diff(it->second.masked_select(keep),
-                                                           t.masked_select(keep));
+        const double err = it == g.params.end()
+                               ? l1::kInf
+                               : testkit::max_abs_diff_or_inf(it->second.masked_select(keep),
+                                                              t.masked_select(keep));
         report.check(at + "param " + name + " after AdamW (" + std::to_string(skipped) + " of " +
                          std::to_string(keep.numel()) + " elements with |grad| < 100 eps left to "
                          "the grad check)",

@@ -11,6 +11,7 @@
 
 #include "l1_util.h"
 #include "raw_mpi.h"
+#include "report.h"
 #include "spmd.h"
 #include "toy_models.h"
 
@@ -53,51 +54,8 @@ const char* const kHsdp2d = "HSDP 2-D, fp32";
 
 // ---------------------------------------------------------------- reporting
 
-// Worst errors of one case variant: check() asserts on this rank; publish()
-// (collective over the world) prints the maximum over ranks from rank 0 and
-// records it with its configuration (spmd::record_precision): tol > 0 ->
-// kind "precision", tol == 0 -> "exact".
-class Report {
- public:
-  Report(std::string id, std::string configuration)
-      : id_(std::move(id)), configuration_(std::move(configuration)) {}
-  void check(const std::string& what, double err, double tol, const std::string& detail = "") {
-    const bool ok = err <= tol;  // false for NaN
-    const std::string shown = detail.size() > 900 ? detail.substr(0, 900) + " ..." : detail;
-    BOOST_TEST(ok, id_ << " [" << configuration_ << "] rank " << spmd::rank() << ": " << what
-                       << ": error " << err << " exceeds tol " << tol
-                       << (shown.empty() ? "" : " -- ") << shown);
-    entries_.push_back({what, err, tol});
-  }
-  void publish() {
-    for (const auto& e : entries_) {
-      const double worst = raw_mpi::max_over_ranks(e.err);
-      if (spmd::rank() == 0) {
-        std::cout << "[" << id_ << "] " << configuration_ << ": " << e.what << ": worst "
-                  << std::scientific << std::setprecision(3) << worst << " (tol " << e.tol
-                  << ")" << std::defaultfloat << std::endl;
-      }
-      spmd::PrecisionRecord r;
-      r.case_id = id_;
-      r.metric = e.what;
-      r.tolerance = e.tol;
-      r.observed = worst;
-      r.pass = worst <= e.tol;
-      r.kind = e.tol > 0 ? "precision" : "exact";
-      r.configuration = configuration_;
-      spmd::record_precision(r);
-    }
-    entries_.clear();
-  }
-
- private:
-  struct Entry {
-    std::string what;
-    double err, tol;
-  };
-  std::string id_, configuration_;
-  std::vector<Entry> entries_;
-};
+// Constructed with the variant's configuration: Report(id, layout.configuration).
+using testkit::Report;
 
 inline void worsen(double& worst, double e) {
   if (std::isnan(worst)) return;
@@ -349,7 +307,7 @@ inline double grad_err(torch::nn::Module& model, torch::nn::Module& ref, int64_t
       worsen(worst, kInf);
       continue;
     }
-    const double e = l1::diff(g, expect);
+    const double e = testkit::max_abs_diff_or_inf(g, expect);
     if (e > kTol && why->size() < 2000) {
       std::ostringstream os;
       os << item.key() << ": grad differs by " << e << "; ";
@@ -379,7 +337,7 @@ inline double data_err(torch::nn::Module& model, torch::nn::Module& ref, int64_t
       worsen(worst, kInf);
       continue;
     }
-    const double e = l1::diff(item.value(), expect);
+    const double e = testkit::max_abs_diff_or_inf(item.value(), expect);
     if (e > kTol && why->size() < 2000) {
       std::ostringstream os;
       os << item.key() << ": differs by " << e << "; ";

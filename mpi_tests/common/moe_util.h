@@ -12,6 +12,7 @@
 
 #include "l1_util.h"
 #include "spmd.h"
+#include "tensor_diff.h"
 
 #include <fsdp/comm.h>
 #include <fsdp/errors.h>
@@ -68,14 +69,7 @@ inline void assign(const at::Tensor& param, const at::Tensor& value) {
 
 inline at::Tensor leaf(const at::Tensor& t) { return t.to(dev()).clone().requires_grad_(true); }
 
-// max |a - b| / max(1, max |b|): fp32 sums taken in another order (the gate
-// gradient is summed rank by rank, then over ranks) differ by a few ulps of
-// their magnitude, so above 1 the error is relative to it.
-inline double diff(const at::Tensor& a, const at::Tensor& b) {
-  const double d = l1::diff(a, b);
-  if (!(d > 0) || std::isinf(d)) return d;
-  return d / std::max(1.0, l1::host(b).abs().max().item<double>());
-}
+using testkit::max_abs_diff_or_inf_scaled_by_b;
 
 // The k largest scores of each row, ties to the lower id: a selection
 // (strictly greater replaces), independent of the library's stable sort.

@@ -11,6 +11,7 @@
 
 #include "spmd.h"
 #include "raw_mpi.h"
+#include "tensor_diff.h"
 #include "toy_models.h"
 
 #include <fsdp/comm.h>
@@ -209,12 +210,6 @@ inline at::Tensor grad_or_zeros(const Managed& m) {
 inline double max_over_ranks(double v) { return raw_mpi::max_over_ranks(v); }
 inline double mean_over_ranks(double v) { return raw_mpi::mean_over_ranks(v); }
 
-// Max |a - b| after bringing both to CPU double (0 for two empty tensors).
-inline double diff(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 && b.numel() == 0) return 0.0;
-  return toy::max_abs_diff(a.detach().cpu(), b.detach().cpu());
-}
-
 inline double sq_norm(const at::Tensor& t) {
   return t.detach().to(at::kDouble).pow(2).sum().item<double>();
 }
@@ -362,7 +357,7 @@ inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const P
                                                      << g.sizes() << " vs param "
                                                      << m.param.sizes());
       const at::Tensor want = local_part(ref_params.at(m.name).grad(), m.dt);
-      const double e = diff(g, want);
+      const double e = testkit::max_abs_diff(g, want);
       BOOST_TEST(e < opt.tol, "[" << opt.id << "] step " << step << " " << m.name
                                   << " grad vs single card: " << e);
       grad_err = std::max(grad_err, e);
@@ -384,7 +379,7 @@ inline ParityResult fp32_parity(ShardedModel<toy::Mlp>& s, int64_t seed, const P
   }
   auto ref_params = named_params(*ref);
   for (const auto& m : s.managed()) {
-    const double e = diff(m.param, local_part(ref_params.at(m.name), m.dt));
+    const double e = testkit::max_abs_diff(m.param, local_part(ref_params.at(m.name), m.dt));
     BOOST_TEST(e < opt.tol, "[" << opt.id << "] " << m.name << " after " << opt.steps
                                 << " SGD steps vs single card: " << e);
     r.worst_param = std::max(r.worst_param, e);
@@ -406,8 +401,8 @@ inline double spread_across_ranks(const at::Tensor& t) {
   const at::Tensor all = raw_mpi::all_gather(v);
   double spread = 0;
   for (int k = 1; k < ws; ++k) {
-    spread = std::max(spread, diff(all.narrow(0, 0, v.numel()),
-                                   all.narrow(0, k * v.numel(), v.numel())));
+    spread = std::max(spread, testkit::max_abs_diff(all.narrow(0, 0, v.numel()),
+                                                    all.narrow(0, k * v.numel(), v.numel())));
   }
   return spread;
 }

@@ -5,6 +5,7 @@
 #pragma once
 #include "l1_util.h"
 #include "spmd.h"
+#include "tensor_diff.h"
 
 #include <fsdp/comm.h>
 #include <fsdp/dtensor.h>
@@ -96,7 +97,7 @@ inline at::Tensor block_pieces(const at::Tensor& t, int64_t dim, int64_t blocks,
   return at::cat(out, dim);
 }
 
-inline double diff(const at::Tensor& a, const at::Tensor& b) { return l1::diff(a, b); }
+using testkit::max_abs_diff_or_inf;
 
 // ---- collective counts -----------------------------------------------------
 

@@ -77,12 +77,6 @@ inline at::Tensor ceil_div_rows(const at::Tensor& t, int64_t dim, int64_t parts,
   return t.narrow(dim, begin, end - begin);
 }
 
-// Max |a - b| (0 for two empty tensors).
-inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 && b.numel() == 0) return 0.0;
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
-
 // A shape as LibTorch prints it: "[2, 3]".
 inline std::string shape_str(c10::IntArrayRef s) {
   std::ostringstream os;

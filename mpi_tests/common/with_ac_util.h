@@ -41,8 +41,8 @@
 
 namespace {
 
-using prec::diff;
 using prec::report;
+using testkit::max_abs_diff;
 
 constexpr double kTol = 1e-5;  // plan: AC + FSDP fp32, loss / grad norm / grads
 
@@ -162,7 +162,7 @@ inline Worst compare(Net& mine, Net& ref, double local_loss, double ref_loss) {
     const at::Tensor ref_grad = ref_params.at(item.key()).grad();
     const at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
     all_defined = all_defined && p.grad().defined() && ref_grad.defined();
-    const double d = diff(g, toy::shard_rows(ref_grad, ws, rank));
+    const double d = max_abs_diff(g, toy::shard_rows(ref_grad, ws, rank));
     const std::string layer = layer_of(item.key());
     sq[layer] += prec::sq_norm(g);
     ref_sq[layer] += prec::sq_norm(ref_grad);

@@ -305,14 +305,7 @@ void Trainer::build_pipeline(const models::Decoder& decoder, fsdp::FullyShardOpt
 
 void Trainer::build_moe(const models::DecoderConfig& cfg, fsdp::FullyShardOptions fo,
                         const Options& o, const fsdp::DeviceMesh& mesh) {
-  models::MoEDecoderConfig mc;
-  mc.vocab = cfg.vocab;
-  mc.hidden = cfg.hidden;
-  mc.heads = cfg.heads;
-  mc.layers = cfg.layers;
-  mc.seq = cfg.seq;
-  mc.experts = kExperts;
-  mc.top_k = kTopK;
+  const models::MoEDecoderConfig mc = models::moe_decoder_config(cfg, kExperts, kTopK);
   models::MoEDecoder plain(mc);
   models::init_weights(*plain, o.seed);
   models::MoEDecoder net(mc, models::MoEForm::Library, mesh["ep"]);

@@ -1,14 +1,16 @@
 #include "common.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (fmt >= 11 keeps it here)
 
 #include <algorithm>
+#include <sstream>
 
 namespace fsdp_checkpoint {
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
+std::string shape_str(c10::IntArrayRef shape) {
+  std::ostringstream os;
+  os << shape;  // c10's spelling, as libfsdp's messages and the tests print shapes
+  return os.str();
 }
 
 std::string dtype_str(at::ScalarType t) {

@@ -6,6 +6,8 @@
 
 #include <fsdp/distributed_checkpoint.h>
 
+#include <c10/util/ArrayRef.h>
+
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
@@ -37,8 +39,9 @@ struct DamagedError : std::runtime_error {
 at::Tensor read_box(const fsdp::dcp::Reader& reader, const std::string& name,
                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes);
 
-// "[7, 5]" ("[]" for 0-d).
-std::string shape_str(const std::vector<int64_t>& shape);
+// "[7, 5]" ("[]" for 0-d): LibTorch's spelling of sizes(), which libfsdp's
+// messages use too. Takes a Reader's std::vector shape or a tensor's sizes().
+std::string shape_str(c10::IntArrayRef shape);
 // "float32", "bfloat16", ... (the index's names).
 std::string dtype_str(at::ScalarType t);
 int64_t numel(const std::vector<int64_t>& shape);

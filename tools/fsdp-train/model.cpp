@@ -51,15 +51,7 @@ ShardedDecoder build_deferred_decoder(const TrainConfig& cfg, const fsdp::Device
 }
 
 models::MoEDecoderConfig moe_decoder_config(const TrainConfig& cfg) {
-  models::MoEDecoderConfig m;
-  m.vocab = cfg.vocab;
-  m.hidden = cfg.hidden;
-  m.heads = cfg.heads;
-  m.layers = cfg.layers;
-  m.experts = cfg.experts;
-  m.top_k = cfg.top_k;
-  m.seq = cfg.seq;
-  return m;
+  return models::moe_decoder_config(decoder_config(cfg), cfg.experts, cfg.top_k);
 }
 
 models::MoEDecoder build_moe_decoder(const TrainConfig& cfg) {

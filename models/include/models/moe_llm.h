@@ -27,6 +27,8 @@
 
 namespace models {
 
+struct DecoderConfig;  // models/llm.h
+
 struct MoEDecoderConfig {
   int64_t vocab = 1024;
   int64_t hidden = 256;
@@ -42,6 +44,13 @@ struct MoEDecoderConfig {
   int64_t ffn_dim() const;
   int64_t expert_dim() const { return expert_ffn > 0 ? expert_ffn : 2 * hidden; }
 };
+
+// The MoE decoder of a dense decoder's dimensions: `d`'s vocab, hidden,
+// heads, layers and seq, with `experts` experts of which each token is routed
+// to `top_k`. The FFN sizes keep MoEDecoderConfig's defaults (d.ffn is not
+// carried over) and the output layer is always tied (d.tie_output is not
+// read). No checks: MoEDecoder's constructor makes them.
+MoEDecoderConfig moe_decoder_config(const DecoderConfig& d, int64_t experts, int64_t top_k);
 
 enum class MoEForm { Plain, Library };
 
