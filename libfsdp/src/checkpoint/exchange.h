@@ -3,7 +3,7 @@
 // verdict agreed by every rank.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 
 #include <exception>
 #include <string>

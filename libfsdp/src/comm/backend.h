@@ -1,22 +1,16 @@
-// Backend: one transport (MPI or NCCL) of one process group, and its
-// factories (mpi_backend.cpp, nccl_backend.cpp; the shared defaults in
-// process_group.cpp).
+// Backend: one transport (MPI or NCCL) of one process group; the shared
+// defaults are in process_group.cpp, the factories in comm/mpi_backend.h and
+// comm/nccl_backend.h.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 
-#include <mpi.h>
-
-#include <c10/core/Device.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <memory>
-#include <string>
 #include <vector>
 
 namespace fsdp::detail {
-
-class CollectiveCheck;
 
 // Element counts per peer for all_to_all.
 struct SplitCounts {
@@ -49,22 +43,5 @@ class Backend {
 // An all-gather in place: input is output's block for `rank` (the one
 // overlap all_gather_into_tensor accepts; backends then skip that block's copy).
 bool is_own_gather_block(const at::Tensor& output, const at::Tensor& input, int rank);
-
-// MPI transport for CPU tensors over `comm` (owned: freed on destruction).
-// poll: collectives wait by testing a nonblocking request with short sleeps
-// rather than inside a blocking call (which spins on a core).
-// check: FSDP_DEBUG=detail's, else null (not owned).
-std::unique_ptr<Backend> make_mpi_backend(MPI_Comm comm, std::string group_name, bool poll,
-                                          CollectiveCheck* check);
-// NCCL transport for CUDA tensors on `device`, bootstrapped over `bootstrap`
-// (not owned). eager: the group's communicator is created now, which is
-// collective over the group (ProcessGroupImpl's constructor, itself
-// collective, passes true when the Runtime's device is CUDA: c10d's eager
-// init); else by the first collective. A pair's communicator (send/recv in a
-// group of more than 2) comes with that pair's first send/recv.
-// Defined only when built with FSDP_WITH_NCCL.
-std::unique_ptr<Backend> make_nccl_backend(MPI_Comm bootstrap, c10::Device device,
-                                           std::string group_name, CollectiveCheck* check,
-                                           bool eager);
 
 }  // namespace fsdp::detail

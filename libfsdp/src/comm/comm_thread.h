@@ -2,7 +2,7 @@
 // progress, and the Work it returns (comm_thread.cpp).
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/work.h"
 #include "comm/work.h"
 
 #include <condition_variable>

@@ -1,7 +1,8 @@
 // Collective counters and the pending-collective registry.
 #include "comm/counters.h"
 
-#include "fsdp/comm.h"
+#include "fsdp/collective_counters.h"
+#include "fsdp/comm_diagnostics.h"
 #include "fsdp/trace.h"
 #include "comm/pending_registry.h"
 #include "comm/work.h"

@@ -4,7 +4,7 @@
 #include "comm/cpu_collectives.h"
 
 #include "comm/cpu_reduce.h"
-#include "fsdp/comm.h"
+#include "fsdp/cpu_collectives.h"
 #include "fsdp/errors.h"
 
 #include <cstdint>

@@ -37,7 +37,8 @@
 // Same inputs, same rank count, same algorithm: bitwise the same result.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/cpu_collectives.h"
+#include "fsdp/reduce_op.h"
 #include "comm/shared_arena.h"
 
 #include <mpi.h>

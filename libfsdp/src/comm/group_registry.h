@@ -2,7 +2,7 @@
 // list (group_registry.cpp).
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 
 #include <mpi.h>
 

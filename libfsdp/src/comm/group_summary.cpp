@@ -1,7 +1,9 @@
-// fsdp::group_summaries / describe_groups: the registry's groups joined with
-// the collective counters (fsdp/comm.h).
-#include "fsdp/comm.h"
+// fsdp::group_summaries / describe_groups (fsdp/comm_diagnostics.h): the
+// registry's groups joined with the collective counters.
+#include "fsdp/comm_diagnostics.h"
 
+#include "fsdp/collective_counters.h"
+#include "fsdp/process_group.h"
 #include "comm/group_registry.h"
 
 #include <algorithm>

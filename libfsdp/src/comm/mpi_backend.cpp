@@ -3,7 +3,7 @@
 // all-gather, reduce-scatter and all-reduce run Open MPI's collective or one
 // of libfsdp's algorithms over point-to-point (cpu_collectives.h), chosen at
 // issue by cpu::choose.
-#include "comm/backend.h"
+#include "comm/mpi_backend.h"
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"

@@ -2,7 +2,7 @@
 // tensor dtypes (mpi_types.cpp).
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/reduce_op.h"
 
 #include <mpi.h>
 

@@ -26,7 +26,7 @@
 // while their Work is still alive. To be measured on a GPU.
 // NCCL has no message tags: sends and recvs between a pair match in issue
 // order, and `tag` (validated by ProcessGroupImpl) is ignored.
-#include "comm/backend.h"
+#include "comm/nccl_backend.h"
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"

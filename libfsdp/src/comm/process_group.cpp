@@ -7,7 +7,9 @@
 #include "comm/collective_check.h"
 #include "comm/comm_settings.h"
 #include "comm/counters.h"
+#include "comm/mpi_backend.h"
 #include "comm/mpi_types.h"
+#include "comm/nccl_backend.h"
 #include "comm/topology.h"
 #include "base/shape_str.h"
 

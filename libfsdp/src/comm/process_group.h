@@ -2,7 +2,7 @@
 // dispatching to the Backend that matches the tensors' device (process_group.cpp).
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 
 #include <mpi.h>
 

@@ -4,6 +4,8 @@
 #include "comm/mpi_types.h"
 #include "fsdp/allocator_compat.h"
 #include "fsdp/errors.h"
+#include "fsdp/process_group.h"
+#include "fsdp/shared_memory.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>

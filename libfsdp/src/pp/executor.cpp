@@ -1,6 +1,7 @@
 // The schedule executor: runs this rank's slots -- each slot's transfers as
 // one batch (headers first where shapes are exchanged), then its compute
 // actions -- and the helpers that read a step's losses and bubble.
+#include "fsdp/comm_diagnostics.h"
 #include "fsdp/errors.h"
 #include "pp/stage.h"
 #include "base/shape_str.h"

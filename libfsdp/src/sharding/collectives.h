@@ -6,7 +6,7 @@
 // when they run. The rule: docs/architecture.md#collective-order.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "fsdp/comm_hooks.h"
 #include "sharding/param.h"
 

@@ -5,7 +5,7 @@
 // The rule: docs/architecture.md#collective-order.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "fsdp/comm_hooks.h"
 #include "sharding/collectives.h"
 #include "sharding/param.h"

@@ -4,7 +4,7 @@
 #include "fsdp/memory.h"
 
 #include "fsdp/allocator_compat.h"
-#include "fsdp/comm.h"
+#include "fsdp/shared_memory.h"
 #include "fsdp/errors.h"
 
 #include <c10/core/Allocator.h>

@@ -2,7 +2,7 @@
 // its unsharded compute buffer, and its gradients in every form.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "fsdp/comm_hooks.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/mesh.h"

@@ -6,7 +6,7 @@
 // distinct FSDP mesh.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "sharding/collectives.h"
 #include "sharding/gradient_reduction.h"
 #include "sharding/param.h"

@@ -4,7 +4,7 @@
 // leaves the module exactly as it was.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "fsdp/mesh.h"
 #include "fsdp/options.h"
 #include "sharding/param.h"

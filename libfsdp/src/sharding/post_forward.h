@@ -4,7 +4,7 @@
 // groups (post_forward.cpp).
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "fsdp/options.h"
 
 #include <string>

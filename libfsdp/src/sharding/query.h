@@ -3,7 +3,7 @@
 // walk a unit's parameter groups themselves.
 #pragma once
 
-#include "fsdp/comm.h"
+#include "fsdp/process_group.h"
 #include "fsdp/dtensor.h"
 
 #include <ATen/core/Tensor.h>
