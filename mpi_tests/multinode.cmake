@@ -63,32 +63,35 @@ fsdp_add_multinode_test(NAME multinode_llm_tp_in_node
   LABELS "L3;tp" TIMEOUT 300
   ENV "FSDP_TEST_TIMEOUT=240;OPENBLAS_CORETYPE=${FSDP_REFERENCE_BLAS_CORE};ATEN_CPU_CAPABILITY=${FSDP_REFERENCE_ATEN_CAPABILITY}")
 
-# ---- fsdp-train --verify across two nodes -----------------------------------
-# Each layout's 6 steps against the same steps unsharded in one process.
-# TP: AdamW eps 1e-6, as fsdp_train_tp_np2 (tools/fsdp-train/CMakeLists.txt
-# says why: eps 1e-8 turns TP's other rounding into ~lr/30 where a gradient
-# stays near zero).
-set(_mn_train $<TARGET_FILE:fsdp-train> --steps 6 --seq 64 --batch 8 --verify)
-foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "hpz:--reshard-after-forward;node" "tp:--tp;2;--sequence-parallel;--adam-eps;1e-6" "pp:--pp;2" "moe:--moe;--experts;4;--ep;2")
-  string(FIND "${_layout}" ":" _colon)
-  string(SUBSTRING "${_layout}" 0 ${_colon} _id)
-  math(EXPR _from "${_colon} + 1")
-  string(SUBSTRING "${_layout}" ${_from} -1 _flags)
-  fsdp_add_multinode_test(NAME multinode_train_${_id}
-    COMMAND ${_mn_train} ${_flags} --out ${CMAKE_CURRENT_BINARY_DIR}/multinode-train-${_id}
-    LABELS "train" TIMEOUT 240)
-  set_tests_properties(multinode_train_${_id} PROPERTIES
-    FAIL_REGULAR_EXPRESSION "verify: max .*: FAIL")
-endforeach()
+# The fsdp-train entries need the tools (FSDP_BUILD_TOOLS).
+if(FSDP_BUILD_TOOLS)
+  # ---- fsdp-train --verify across two nodes -----------------------------------
+  # Each layout's 6 steps against the same steps unsharded in one process.
+  # TP: AdamW eps 1e-6, as fsdp_train_tp_np2 (tools/fsdp-train/CMakeLists.txt
+  # says why: eps 1e-8 turns TP's other rounding into ~lr/30 where a gradient
+  # stays near zero).
+  set(_mn_train $<TARGET_FILE:fsdp-train> --steps 6 --seq 64 --batch 8 --verify)
+  foreach(_layout "fsdp:" "hsdp:--mesh;2x2" "hpz:--reshard-after-forward;node" "tp:--tp;2;--sequence-parallel;--adam-eps;1e-6" "pp:--pp;2" "moe:--moe;--experts;4;--ep;2")
+    string(FIND "${_layout}" ":" _colon)
+    string(SUBSTRING "${_layout}" 0 ${_colon} _id)
+    math(EXPR _from "${_colon} + 1")
+    string(SUBSTRING "${_layout}" ${_from} -1 _flags)
+    fsdp_add_multinode_test(NAME multinode_train_${_id}
+      COMMAND ${_mn_train} ${_flags} --out ${CMAKE_CURRENT_BINARY_DIR}/multinode-train-${_id}
+      LABELS "train" TIMEOUT 240)
+    set_tests_properties(multinode_train_${_id} PROPERTIES
+      FAIL_REGULAR_EXPRESSION "verify: max .*: FAIL")
+  endforeach()
 
-# ---- a node lost mid-run, the run continued on the survivor ------------------
-# tools/fsdp-train/tests/node-loss-check.sh: node 1 killed after the step-3
-# checkpoint; the job ends within 30 s naming the node; --resume on the
-# surviving node (FSDP over 2, through fsdp::dcp) continues the run.
-fsdp_add_multinode_test(NAME multinode_train_node_loss SCRIPT
-  COMMAND bash ${PROJECT_SOURCE_DIR}/tools/fsdp-train/tests/node-loss-check.sh
-          $<TARGET_FILE:fsdp-train> ${CMAKE_CURRENT_BINARY_DIR}/multinode-node-loss
-  LABELS "train;faults;dcp" TIMEOUT 400)
+  # ---- a node lost mid-run, the run continued on the survivor ------------------
+  # tools/fsdp-train/tests/node-loss-check.sh: node 1 killed after the step-3
+  # checkpoint; the job ends within 30 s naming the node; --resume on the
+  # surviving node (FSDP over 2, through fsdp::dcp) continues the run.
+  fsdp_add_multinode_test(NAME multinode_train_node_loss SCRIPT
+    COMMAND bash ${PROJECT_SOURCE_DIR}/tools/fsdp-train/tests/node-loss-check.sh
+            $<TARGET_FILE:fsdp-train> ${CMAKE_CURRENT_BINARY_DIR}/multinode-node-loss
+    LABELS "train;faults;dcp" TIMEOUT 400)
+endif()
 
 # ---- the watchdog and the desync check across nodes -------------------------
 # fault_probe (L0's user program) with its 2 ranks on 2 nodes: the stalled
@@ -140,19 +143,21 @@ fsdp_add_multinode_test(NAME multinode_node_topology_map_by_node
   COMMAND --map-by node $<TARGET_FILE:test_node_topology>
   LABELS "L0" TIMEOUT 180
   ENV "FSDP_EXPECT_NODES=2;FSDP_TEST_TIMEOUT=120")
-# fsdp-train --comm-report on HSDP 2x2: node 1's first rank (2) reports, and
-# its shard group {2,3} has an arena and sent nothing across nodes.
-# RunAndCheck: the exit status and the line both (a PASS_REGULAR_EXPRESSION
-# alone would ignore the status).
-add_test(NAME multinode_train_comm_report
-         COMMAND ${CMAKE_COMMAND}
-                 "-DCMD=${FSDP_CLUSTER};--net;netns;--rate;10gbit;--timeout;200;--;$<TARGET_FILE:fsdp-train>;--steps;2;--seq;64;--batch;8;--mesh;2x2;--comm-report;--out;${CMAKE_CURRENT_BINARY_DIR}/multinode-train-comm-report"
-                 -DEXPECT=zero
-                 "-DREGEX=\\[node 1 rank 2\\]   ranks\\[2,3\\]: 1 node, shm arena[^\n]*; cross-node 0 B"
-                 -P ${PROJECT_SOURCE_DIR}/cmake/RunAndCheck.cmake)
-set_tests_properties(multinode_train_comm_report PROPERTIES
-  LABELS "cpu;multinode;nodes2;train" TIMEOUT 240 PROCESSORS 4 RESOURCE_LOCK fsdp_cluster
-  ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;FSDP_NUM_THREADS=1")
+if(FSDP_BUILD_TOOLS)
+  # fsdp-train --comm-report on HSDP 2x2: node 1's first rank (2) reports, and
+  # its shard group {2,3} has an arena and sent nothing across nodes.
+  # RunAndCheck: the exit status and the line both (a PASS_REGULAR_EXPRESSION
+  # alone would ignore the status).
+  add_test(NAME multinode_train_comm_report
+           COMMAND ${CMAKE_COMMAND}
+                   "-DCMD=${FSDP_CLUSTER};--net;netns;--rate;10gbit;--timeout;200;--;$<TARGET_FILE:fsdp-train>;--steps;2;--seq;64;--batch;8;--mesh;2x2;--comm-report;--out;${CMAKE_CURRENT_BINARY_DIR}/multinode-train-comm-report"
+                   -DEXPECT=zero
+                   "-DREGEX=\\[node 1 rank 2\\]   ranks\\[2,3\\]: 1 node, shm arena[^\n]*; cross-node 0 B"
+                   -P ${PROJECT_SOURCE_DIR}/cmake/RunAndCheck.cmake)
+  set_tests_properties(multinode_train_comm_report PROPERTIES
+    LABELS "cpu;multinode;nodes2;train" TIMEOUT 240 PROCESSORS 4 RESOURCE_LOCK fsdp_cluster
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;FSDP_NUM_THREADS=1")
+endif()
 # ---- two_level CPU collectives across nodes ----------------------------------
 # test_two_level_collectives on 2 nodes x 2 ranks (node-major, and
 # round-robin so that the group's rank order is not node-major), without
