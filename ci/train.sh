@@ -17,7 +17,8 @@ np="${NP:-2}"
 "$root/ci/install-deps.sh"
 if [ ! -f "$build/CMakeCache.txt" ]; then
   # Configured as ci/build.sh does; only the training job is built here.
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_WARNINGS_AS_ERRORS=ON
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_WARNINGS_AS_ERRORS=ON \
+    -DFSDP_MINIMAL_DEBUG_INFO=ON
 fi
 cmake --build "$build" -j "$(nproc)" --target fsdp-train
 

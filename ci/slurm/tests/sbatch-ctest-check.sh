@@ -17,7 +17,7 @@
 # run; the Debian leg runs all of L0 under mpiexec, so this check is about
 # the launch path, not the suites), SBATCH_CTEST_TARGETS (the build targets
 # they need), MIN_TESTS (default 16), FSDP_CMAKE_ARGS (default ci/build.sh's
-# -DFSDP_WARNINGS_AS_ERRORS=ON: the same compile flags as the main build let
+# -DFSDP_WARNINGS_AS_ERRORS=ON -DFSDP_MINIMAL_DEBUG_INFO=ON: the same compile flags as the main build let
 # ccache serve the objects).
 set -euo pipefail
 src="${1:?usage: $0 <source dir> <build dir> <work dir>}"
@@ -28,7 +28,7 @@ regex="${SBATCH_CTEST_REGEX-^(test_collectives_np[24]|test_comm_errors_np2|test_
 targets="${SBATCH_CTEST_TARGETS:-test_collectives test_comm_errors test_runtime test_device_mesh test_harness fault_probe memory_probe train_mlp fsdp-train}"
 min_tests="${MIN_TESTS:-16}"
 # ci/build.sh's flags: the same compile commands, so ccache has the objects.
-export FSDP_CMAKE_ARGS="${FSDP_CMAKE_ARGS:--DFSDP_WARNINGS_AS_ERRORS=ON}"
+export FSDP_CMAKE_ARGS="${FSDP_CMAKE_ARGS:--DFSDP_WARNINGS_AS_ERRORS=ON -DFSDP_MINIMAL_DEBUG_INFO=ON}"
 train=/bin/true  # slurm-lib.sh checks a program; this check runs none of its own
 slurm_shares=("$build")  # the batch script's build tree: the nodes must see it
 source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
