@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Prints the N slowest entries (default 20) of the last `ctest` run in a build
-# tree and their share of its total, from CTest's own Testing/Temporary/LastTest.log:
+# Prints the N slowest entries (default 20) of a ctest run and their share of
+# its total, from the log ctest wrote with --output-log (its console lines
+# "K/M Test #I: <name> ....   Passed   2.90 sec"):
 #
-#   ci/slowest.sh <build dir> [N]
+#   ci/slowest.sh <ctest output log> [N]
 #
-# .ci/run prints it after each leg, so a run's log says where its time went.
+# The CI legs pass --output-log <build>/ctest-<leg>.log and .ci/run prints
+# this after each leg. (Not Testing/Temporary/LastTest.log: any `ctest -N`
+# an entry runs in the same build tree overwrites it.)
 set -euo pipefail
-build="${1:?usage: $0 <build dir> [N]}"
+log="${1:?usage: $0 <ctest output log> [N]}"
 n="${2:-20}"
-log="$build/Testing/Temporary/LastTest.log"
 if [ ! -f "$log" ]; then
-  echo "ci/slowest.sh: no $log (no ctest run in $build)"
+  echo "ci/slowest.sh: no $log (the leg ran no ctest)"
   exit 0
 fi
-# LastTest.log has "N/M Testing: <name>" before an entry's output and
-# "Test time = S sec" after it.
 awk -v n="$n" '
-  /^[0-9]+\/[0-9]+ Testing: / { name = $3 }
-  /^Test time = / { t[name] = $4; total += $4; count++ }
+  / Test +#[0-9]+: / && / sec$/ {
+    for (i = 1; i <= NF; i++) if ($i ~ /^#[0-9]+:$/) { name = $(i + 1); break }
+    t[name] = $(NF - 1); total += $(NF - 1); count++
+  }
   END {
     printf "ci/slowest.sh: %d entries, %.0f s of test time; the %d slowest:\n", count, total, n
     for (k in t) printf "%10.1f s  %s\n", t[k], k | "sort -rn | head -n " n

@@ -48,7 +48,7 @@ status=0
 # placement and the network, which do not depend on the LibTorch version:
 # the Debian leg runs them, and leaving them out here saves ~90 s of the ~320.
 ctest -L "$label_regex" -L cpu -E '^(fsdp_train|fsdp_checkpoint|multinode)_' --output-on-failure \
-  --no-tests=error "$@" || status=$?
+  --no-tests=error --output-log ctest-torch2.log "$@" || status=$?
 # libfsdp beside PyTorch's own FSDP2 and DDP on this LibTorch (the benchmark peer).
 ctest -R '^fsdp_bench_peer_parity_np2$' --output-on-failure --no-tests=error || status=$?
 echo "ci/test-torch2.sh: LibTorch $("$build/venv/bin/python" -m pip show torch | sed -n 's/^Version: //p') leg done in $((SECONDS - start)) s (exit $status)"

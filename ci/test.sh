@@ -26,7 +26,7 @@ done
 
 status=0
 tests=$SECONDS
-ctest -L cpu --output-on-failure --no-tests=error "$@" || status=$?
+ctest -L cpu --output-on-failure --no-tests=error --output-log "$build/ctest-cpu.log" "$@" || status=$?
 echo "ci/test.sh: ctest -L cpu: $((SECONDS - tests)) s"
 # precision_matrix_report (in -L cpu) is the precision gate: it fails the run when a
 # matrix case did not run, lacks its loss or grad-norm metric, or fails.
