@@ -38,7 +38,7 @@ run() {
   rc=$?
   set -e
   ms=$((($(date +%s%N) - t0) / 1000000))
-  secs=$(secs_since "$t0")
+  secs="$((ms / 1000)).$((ms % 1000 / 100))"
   sed 's/^/    | /' "$log"
   echo "    (exit status $rc, ${secs}s)"
   if [ "$ms" -ge 60000 ]; then
